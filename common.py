@@ -1,0 +1,606 @@
+"""Plumbing shared by the five strategy scripts.
+
+Config and command line, device setup, the GPT model, the data, the train state, the loss,
+gradient accumulation, compilation and logging. Nothing here decides how work is split across
+devices: that is what each script teaches, so it lives in the script.
+"""
+
+import argparse
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+import typing
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax.training import train_state
+
+VOCAB_SIZE = 256  # the synthetic source's tokens; also every byte value, for byte-level text
+
+
+# ----------------------------------------------------------------------------------------------
+# Config and command line
+# ----------------------------------------------------------------------------------------------
+
+
+def arg(default, help, **argparse_kwargs):
+    """A Config field that is also a command-line flag: its default and its --help text."""
+    return dataclasses.field(default=default, metadata={"help": help, **argparse_kwargs})
+
+
+class ConfigError(ValueError):
+    """A bad flag. The command line reports it as one line and exit status 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    steps: int = arg(200, "optimizer steps to run")
+    batch_size: int = arg(32, "global batch: sequences per step, summed over all devices")
+    seq_len: int = arg(64, "tokens per training sequence (the context length)")
+    layers: int = arg(4, "transformer blocks")
+    d_model: int = arg(128, "model width")
+    heads: int = arg(4, "attention heads (must divide --d-model)")
+    dropout: float = arg(0.1, "dropout rate; 0 makes every strategy compute the same numbers")
+    lr: float = arg(3e-3, "peak learning rate: linear warmup, then cosine decay to a tenth")
+    warmup_steps: int = arg(30, "learning-rate warmup steps")
+    weight_decay: float = arg(0.1, "AdamW weight decay (kernels and embeddings only)")
+    seed: int = arg(0, "seed of the parameters, the dropout masks and the batch sequence")
+    dtype: str = arg("float32", "compute dtype; parameters stay float32", choices=("float32", "bfloat16"))
+    microbatches: int = arg(1, "gradient accumulation: sequential micro-batches per step")
+    scan_layers: bool = arg(False, "run the blocks with nn.scan: one compiled block, not --layers")
+    dataset: str = arg("synthetic", "'synthetic': an embedded Markov source, no download")
+    data_dir: str | None = arg(None, "where datasets are stored (not used by 'synthetic')")
+    log_every: int = arg(25, "print and record metrics every this many steps")
+    metrics_file: str | None = arg(None, "write JSON Lines metrics here: logged steps, a summary")
+    cpu_devices: int = arg(8, "emulated CPU devices, used when no GPU or TPU is present")
+
+    def batch_shards(self) -> int:
+        """How many ways the global batch is split; scripts with a mesh override this."""
+        return jax.device_count()
+
+    def validate(self):
+        """Raise ConfigError naming the first bad flag. Runs before anything is compiled."""
+        positive = ("steps", "batch_size", "seq_len", "layers", "d_model", "heads", "microbatches", "log_every")
+        for name in positive:
+            require(getattr(self, name) > 0, name, "must be positive")
+        for name in ("warmup_steps", "seed"):
+            require(getattr(self, name) >= 0, name, "must be zero or more")
+        require(self.lr > 0, "lr", "must be positive, e.g. --lr 3e-3")
+        require(0 <= self.dropout < 1, "dropout", "must be in [0, 1)")
+        require(self.weight_decay >= 0, "weight_decay", "must be non-negative")
+        require(self.dtype in ("float32", "bfloat16"), "dtype", "must be float32 or bfloat16")
+        require(self.dataset == "synthetic", "dataset", "is unknown; use --dataset synthetic")
+        require(
+            self.d_model % self.heads == 0,
+            "heads",
+            f"must divide --d-model {self.d_model}, e.g. --heads {math.gcd(self.d_model, 4)}",
+        )
+        shards = self.batch_shards() * self.microbatches
+        require(
+            self.batch_size % shards == 0,
+            "batch_size",
+            f"must be divisible by {self.batch_shards()} batch shards x {self.microbatches} "
+            f"micro-batches, e.g. --batch-size {max(1, self.batch_size // shards) * shards}",
+        )
+        if self.metrics_file:
+            folder = os.path.dirname(os.path.abspath(self.metrics_file))
+            require(os.access(folder, os.W_OK), "metrics_file", f"cannot be written in {folder}")
+
+
+def require(ok, name, message):
+    """Raise ConfigError for flag --name unless ok."""
+    if not ok:
+        raise ConfigError(f"--{name.replace('_', '-')} {message}")
+
+
+def mesh_shape(text: str, heads: int) -> dict:
+    """--mesh 'data=2,model=4' -> {'data': 2, 'model': 4}. 'auto' puts up to 4 devices (at most
+    half of them, and a divisor of --heads) on 'model' and the rest on 'data'."""
+    n = jax.device_count()
+    if text == "auto":
+        model = max(m for m in (1, 2, 4) if n % m == 0 and heads % m == 0 and m <= max(1, n // 2))
+        return {"data": n // model, "model": model}
+    example = f"e.g. --mesh data={max(1, n // 2)},model={min(2, n)}"
+    try:
+        shape = {name: int(size) for name, size in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise ConfigError(f"--mesh {text} is not axis=size pairs, {example}") from None
+    require(sorted(shape) == ["data", "model"], "mesh", f"{text} must name the axes data and model, {example}")
+    require(min(shape.values()) > 0, "mesh", f"{text} has an axis of size < 1, {example}")
+    require(
+        math.prod(shape.values()) == n, "mesh", f"{text} has {math.prod(shape.values())} devices, not {n}; {example}"
+    )
+    return shape
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass  # the script's docstring as written, then every flag with its default
+
+
+def parse_config(config_class=Config, doc: str | None = None) -> Config:
+    """Build the command line from the Config fields, parse it, and set up JAX. Bad input exits 2."""
+    parser = _Parser(description=doc, formatter_class=_HelpFormatter)
+    hints = typing.get_type_hints(config_class)
+    for field in dataclasses.fields(config_class):
+        flag, kind = "--" + field.name.replace("_", "-"), hints[field.name]
+        options = dict(field.metadata)
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
+        else:
+            kind = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))
+            metavar = None if "choices" in options else kind.__name__.upper()
+            parser.add_argument(flag, type=kind, metavar=metavar, **options)
+        parser.set_defaults(**{field.name: field.default})
+    config = config_class(**vars(parser.parse_args()))
+    try:
+        setup(config)
+    except ConfigError as error:
+        parser.error(str(error))
+    return config
+
+
+# ----------------------------------------------------------------------------------------------
+# Devices
+# ----------------------------------------------------------------------------------------------
+
+
+def setup(config: Config):
+    """Start JAX on the right devices, then check the flags. Call before touching any device."""
+    require(config.cpu_devices > 0, "cpu_devices", "must be positive")
+    try:
+        # Only affects the CPU backend, so it is harmless on GPU/TPU hosts, whose real devices
+        # are used unchanged. It must run before JAX starts a backend.
+        jax.config.update("jax_num_cpu_devices", config.cpu_devices)
+    except RuntimeError:  # JAX already started in this process (tests call main() repeatedly)
+        if jax.default_backend() == "cpu" and jax.device_count() != config.cpu_devices:
+            raise ConfigError(
+                f"--cpu-devices {config.cpu_devices}: this process already started JAX with "
+                f"{jax.device_count()} CPU devices"
+            ) from None
+    config.validate()
+
+
+def is_main_process() -> bool:
+    return jax.process_index() == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Model: a GPT-2-style decoder. Parameters carry logical axis names and activations logical
+# constraints; both are inert unless a script installs rules for them (logical_pjit.py does).
+# ----------------------------------------------------------------------------------------------
+
+
+def _init(names, scale=1.0):
+    return nn.with_logical_partitioning(nn.initializers.normal(0.02 * scale), names)
+
+
+def _zeros(names):
+    return nn.with_logical_partitioning(nn.initializers.zeros, names)
+
+
+def _layer_norm(config, name):
+    return nn.LayerNorm(
+        dtype=config.dtype,
+        scale_init=nn.with_logical_partitioning(nn.initializers.ones, ("norm",)),
+        bias_init=_zeros(("norm",)),
+        name=name,
+    )
+
+
+class Embed(nn.Module):
+    config: Config
+
+    @nn.compact
+    def __call__(self, tokens, deterministic):
+        c = self.config
+        embed = functools.partial(nn.Embed, features=c.d_model, dtype=c.dtype)
+        x = embed(VOCAB_SIZE, embedding_init=_init(("vocab", "embed")), name="token")(tokens)
+        positions = jnp.arange(tokens.shape[1])
+        x = x + embed(c.seq_len, embedding_init=_init(("pos", "embed")), name="position")(positions)
+        x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
+        return nn.Dropout(c.dropout)(x, deterministic=deterministic)
+
+
+class Attention(nn.Module):
+    config: Config
+
+    @nn.compact
+    def __call__(self, x, deterministic):
+        c = self.config
+        # The d_model outputs of query, key and value are laid out head by head, so splitting
+        # that axis into equal contiguous parts (tensor parallelism) gives each device whole heads.
+        qkv = functools.partial(
+            nn.Dense, c.d_model, kernel_init=_init(("embed", "heads")), bias_init=_zeros(("heads",)), dtype=c.dtype
+        )
+        # No key bias: it adds the same q.b to all of a query's scores, which softmax ignores, so
+        # its gradient is zero and Adam would only turn rounding noise into updates.
+        q, k, v = (
+            qkv(use_bias=name != "key", name=name)(x).reshape(*x.shape[:-1], c.heads, -1)
+            for name in ("query", "key", "value")
+        )
+        q, k, v = (nn.with_logical_constraint(t, ("batch", "length", "act_heads", None)) for t in (q, k, v))
+        x = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        x = nn.Dense(
+            c.d_model,
+            # GPT-2 scales the init of projections into the residual stream by 1/sqrt(2 * layers)
+            kernel_init=_init(("heads", "embed"), 1 / math.sqrt(2 * c.layers)),
+            bias_init=_zeros(("embed",)),
+            dtype=c.dtype,
+            name="out",
+        )(x.reshape(*x.shape[:-2], -1))
+        return nn.Dropout(c.dropout)(x, deterministic=deterministic)
+
+
+class Mlp(nn.Module):
+    config: Config
+
+    @nn.compact
+    def __call__(self, x, deterministic):
+        c = self.config
+        h = nn.Dense(
+            4 * c.d_model,
+            kernel_init=_init(("embed", "mlp")),
+            bias_init=_zeros(("mlp",)),
+            dtype=c.dtype,
+            name="fc1",
+        )(x)
+        h = nn.gelu(nn.with_logical_constraint(h, ("batch", "length", "act_mlp")))
+        x = nn.Dense(
+            c.d_model,
+            kernel_init=_init(("mlp", "embed"), 1 / math.sqrt(2 * c.layers)),
+            bias_init=_zeros(("embed",)),
+            dtype=c.dtype,
+            name="fc2",
+        )(h)
+        return nn.Dropout(c.dropout)(x, deterministic=deterministic)
+
+
+class Block(nn.Module):
+    config: Config
+
+    @nn.compact
+    def __call__(self, x, deterministic):
+        x = x + Attention(self.config, name="attn")(_layer_norm(self.config, "ln1")(x), deterministic)
+        x = x + Mlp(self.config, name="mlp")(_layer_norm(self.config, "ln2")(x), deterministic)
+        x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
+        return x, None  # (carry, output): the signature nn.scan iterates
+
+
+class Head(nn.Module):
+    config: Config
+
+    @nn.compact
+    def __call__(self, x, deterministic):  # the signature of every piece, so one wrap fits all
+        x = _layer_norm(self.config, "ln_f")(x)
+        logits = nn.Dense(
+            VOCAB_SIZE,
+            use_bias=False,
+            kernel_init=_init(("embed", "vocab")),
+            dtype=self.config.dtype,
+            name="out",
+        )(x)
+        # The loss is computed in float32 whatever the compute dtype.
+        return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
+
+
+def _unchanged(module_class):
+    return module_class
+
+
+class GPT(nn.Module):
+    """Decoder-only causal language model: embeddings, `layers` pre-LayerNorm blocks, a head.
+
+    `wrap` is applied to each piece's class (the embedding, every block, the head) before the
+    piece is built; fsdp.py passes one that all-gathers a piece's parameters just before it runs.
+    """
+
+    config: Config
+    wrap: Callable[[type], type] = _unchanged
+
+    @nn.compact
+    def __call__(self, tokens, deterministic: bool = True):
+        c = self.config
+        x = self.wrap(Embed)(c, name="embed")(tokens, deterministic)
+        if c.scan_layers:
+            blocks = nn.scan(
+                self.wrap(Block),
+                variable_axes={"params": 0},
+                split_rngs={"params": True, "dropout": True},
+                in_axes=nn.broadcast,
+                length=c.layers,
+                metadata_params={nn.PARTITION_NAME: "layers"},
+            )
+            x, _ = blocks(c, name="blocks")(x, deterministic)
+        else:
+            for i in range(c.layers):
+                x, _ = self.wrap(Block)(c, name=f"block_{i}")(x, deterministic)
+        return self.wrap(Head)(c, name="head")(x, deterministic)
+
+
+def init_params(config: Config, rng):
+    """Parameters boxed with their logical axis names (nn.LogicallyPartitioned).
+
+    Always initialised block by block, then stacked when --scan-layers is on, so that scanned
+    and unscanned runs start from the same numbers.
+    """
+    model = GPT(dataclasses.replace(config, scan_layers=False))
+    params = model.init(rng, jnp.zeros((1, config.seq_len), jnp.int32))["params"]
+    if config.scan_layers:
+        blocks = [params.pop(f"block_{i}") for i in range(config.layers)]
+
+        def stack(*boxes):
+            names = ("layers",) + boxes[0].names
+            return boxes[0].replace(value=jnp.stack([b.value for b in boxes]), names=names)
+
+        params["blocks"] = jax.tree.map(stack, *blocks, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+    return params
+
+
+def param_count(config: Config) -> int:
+    shapes = jax.eval_shape(lambda: nn.unbox(init_params(config, jax.random.key(0))))
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: the global batch of step k depends only on (seed, k), so any number of devices or
+# processes, or a resumed run, sees the same tokens.
+# ----------------------------------------------------------------------------------------------
+
+
+class SyntheticData:
+    """A sparse random Markov chain over VOCAB_SIZE tokens, fixed by its own seed.
+
+    Each token has `branching` possible successors with random probabilities. The best possible
+    loss is the chain's entropy rate, sum_s pi(s) H(next | s), which is printed so a run can be
+    judged against it. Sequences start from the stationary distribution pi, so every predicted
+    position has exactly that expected loss at best.
+    """
+
+    def __init__(self, seed: int, seq_len: int, branching: int = 4, source_seed: int = 1234):
+        self.seed, self.seq_len = seed, seq_len
+        rng = np.random.default_rng(source_seed)
+        # Token s can always go to following[s], the next token on one random cycle through all
+        # tokens: so every token is reachable from every other, and the chain has one
+        # stationary distribution.
+        cycle = rng.permutation(VOCAB_SIZE)
+        following = np.empty(VOCAB_SIZE, np.int64)
+        following[cycle] = np.roll(cycle, -1)
+        self.successors = np.empty((VOCAB_SIZE, branching), np.int64)
+        for s in range(VOCAB_SIZE):
+            others = np.delete(np.arange(VOCAB_SIZE), following[s])
+            self.successors[s] = [following[s], *rng.choice(others, branching - 1, replace=False)]
+        probs = rng.dirichlet(np.ones(branching), size=VOCAB_SIZE)
+        self.cumulative = np.cumsum(probs, axis=1)
+        transition = np.zeros((VOCAB_SIZE, VOCAB_SIZE))
+        np.put_along_axis(transition, self.successors, probs, axis=1)
+        eigenvalues, eigenvectors = np.linalg.eig(transition.T)
+        pi = np.real(eigenvectors[:, np.argmin(np.abs(eigenvalues - 1))])
+        self.stationary = np.cumsum(pi / pi.sum())
+        self.loss_floor = float(-(pi / pi.sum()) @ np.sum(probs * np.log(probs), axis=1))
+
+    def describe(self) -> str:
+        return f"synthetic Markov source, loss floor {self.loss_floor:.4f} (its entropy rate)"
+
+    def batch(self, step: int, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of step `step`'s global batch: int32 [rows, seq_len + 1]."""
+        # One generator per (seed, step, row): any slice of the batch can be made on its own.
+        uniforms = np.stack(
+            [np.random.default_rng((self.seed, step, row)).random(self.seq_len + 1) for row in range(start, stop)]
+        )
+        tokens = np.empty(uniforms.shape, np.int32)
+        tokens[:, 0] = np.minimum(np.searchsorted(self.stationary, uniforms[:, 0]), VOCAB_SIZE - 1)
+        for t in range(1, self.seq_len + 1):
+            previous = tokens[:, t - 1]
+            choice = (uniforms[:, t, None] > self.cumulative[previous]).sum(axis=1)
+            tokens[:, t] = self.successors[previous, np.minimum(choice, self.successors.shape[1] - 1)]
+        return tokens
+
+
+def load_dataset(config: Config) -> SyntheticData:
+    return SyntheticData(config.seed, config.seq_len)
+
+
+def host_batch(dataset, config: Config, step: int) -> np.ndarray:
+    """This process's contiguous share of step `step`'s global batch."""
+    rows = config.batch_size // jax.process_count()
+    start = jax.process_index() * rows
+    return dataset.batch(step, start, start + rows)
+
+
+# ----------------------------------------------------------------------------------------------
+# Train state, optimizer, loss and gradient accumulation
+# ----------------------------------------------------------------------------------------------
+
+
+class TrainState(train_state.TrainState):
+    rng: jax.Array  # base dropout key; step k uses fold_in(rng, k), so no key is ever carried
+
+
+def _leaf_name(path) -> str:
+    return [k.key for k in path if isinstance(k, jax.tree_util.DictKey)][-1]
+
+
+def decay_mask(params):
+    """Weight decay for kernels and embeddings; never for LayerNorm parameters or biases."""
+    return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_name(path) in ("kernel", "embedding"), params)
+
+
+# Cached, one optimizer per config: the optimizer is part of the TrainState's tree structure,
+# and shardings worked out on an abstract state must fit the real state.
+@functools.cache
+def make_optimizer(config: Config):
+    # AdamW is elementwise, which is what lets fsdp.py update each device's shard on its own.
+    schedule = optax.warmup_cosine_decay_schedule(
+        init_value=0.0,
+        peak_value=config.lr,
+        warmup_steps=config.warmup_steps,
+        decay_steps=max(config.steps, config.warmup_steps + 1),
+        end_value=config.lr / 10,
+    )
+    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=config.weight_decay, mask=decay_mask)
+
+
+def create_state(config: Config, model: GPT, params_fn: Callable = nn.unbox) -> TrainState:
+    """The initial TrainState. `params_fn` maps the logically boxed parameters to what the
+    optimizer and the model will hold: plain arrays by default; fsdp.py boxes them anew."""
+    init_rng, dropout_rng = jax.random.split(jax.random.key(config.seed))
+    return TrainState.create(
+        apply_fn=model.apply,
+        params=params_fn(init_params(config, init_rng)),
+        tx=make_optimizer(config),
+        rng=dropout_rng,
+    )
+
+
+def loss_fn(params, apply_fn, tokens, rng):
+    """Mean next-token cross-entropy; metrics are (sum, count) so they add across devices."""
+    logits = apply_fn({"params": params}, tokens[:, :-1], deterministic=False, rngs={"dropout": rng})
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    return losses.mean(), {"loss_sum": losses.sum(), "tokens": jnp.int32(losses.size)}
+
+
+def accumulate_gradients(state: TrainState, batch, rng, microbatches: int):
+    """Gradient of the mean loss over `batch` and summed metrics, in `microbatches` pieces.
+
+    Pieces run one after another (lax.scan), so activation memory is that of one piece.
+    Piece i takes rows i, i + m, i + 2m, ...: a strided split keeps each piece spread over all
+    the devices that hold the batch, so no strategy moves data to form it.
+    """
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def piece_grads(tokens, i):
+        (_, metrics), grads = grad_fn(state.params, state.apply_fn, tokens, jax.random.fold_in(rng, i))
+        return grads, metrics
+
+    if microbatches == 1:
+        return piece_grads(batch, 0)
+    pieces = batch.reshape(-1, microbatches, batch.shape[-1]).swapaxes(0, 1)
+
+    def add_piece(total, piece_and_index):
+        return jax.tree.map(jnp.add, total, piece_grads(*piece_and_index)), None
+
+    total, _ = jax.lax.scan(add_piece, piece_grads(pieces[0], 0), (pieces[1:], jnp.arange(1, microbatches)))
+    grads, metrics = total
+    return jax.tree.map(lambda g: g / microbatches, grads), metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# Compilation, logging and the result a script returns
+# ----------------------------------------------------------------------------------------------
+
+
+def compile_step(step_fn, *args):
+    """Compile ahead of time: the compile time is measured apart from the steps, and the
+    compiled step can be inspected (its HLO shows the collectives the strategy produced)."""
+    start = time.perf_counter()
+    compiled = step_fn.lower(*args).compile()
+    return compiled, time.perf_counter() - start
+
+
+@dataclasses.dataclass
+class Result:
+    losses: list  # the mean training loss of every step
+    state: Any  # the final TrainState, laid out as the strategy keeps it
+    summary: dict  # what the last line of --metrics-file holds
+    compiled: Any  # the compiled train step
+
+
+def _fetch(x) -> float:
+    # One replica is enough: the metrics were summed over devices inside the step.
+    return float(np.asarray(x.addressable_data(0)).ravel()[0])
+
+
+class Logger:
+    """Prints a line every --log-every steps (process 0 only), writes --metrics-file, keeps every
+    step's loss. Metrics stay on device until a log step, so the host never waits on a step."""
+
+    def __init__(self, config: Config, dataset, layout: str, compile_seconds: float):
+        self.config, self.dataset, self.compile_seconds = config, dataset, compile_seconds
+        self.tokens_per_step = config.batch_size * config.seq_len
+        self.losses, self.pending, self.step_seconds = [], [], []
+        self.file = open(config.metrics_file, "w") if config.metrics_file and is_main_process() else None
+        devices = jax.devices()
+        self.info = {
+            "platform": devices[0].platform,
+            "devices": len(devices),
+            "processes": jax.process_count(),
+            "layout": layout,
+            "param_count": param_count(config),
+        }
+        self.print(
+            f"{len(devices)} {devices[0].platform} devices in {jax.process_count()} process(es) | "
+            f"{layout} | {self.info['param_count'] / 1e6:.2f}M parameters\n"
+            f"batch {config.batch_size} x {config.seq_len} tokens "
+            f"({config.batch_size // config.batch_shards()} sequences per batch shard) | "
+            f"{dataset.describe()}\n"
+            f"compiled the train step in {compile_seconds:.1f}s"
+        )
+        self.last_time = time.perf_counter()
+
+    def print(self, text):
+        if is_main_process():
+            print(text, flush=True)
+
+    def log(self, step: int, metrics):
+        self.pending.append(metrics)
+        if (step + 1) % self.config.log_every and step + 1 != self.config.steps:
+            return
+        fetched = [(_fetch(m["loss_sum"]), _fetch(m["tokens"])) for m in self.pending]
+        self.losses += [loss_sum / tokens for loss_sum, tokens in fetched]
+        now = time.perf_counter()
+        seconds = (now - self.last_time) / len(self.pending)
+        self.step_seconds += [seconds] * len(self.pending)
+        self.pending, self.last_time = [], now
+        record = {
+            "step": step + 1,
+            "loss": self.losses[-1],
+            "tokens_per_sec": self.tokens_per_step / seconds,
+            "step_seconds": seconds,
+        }
+        eta = seconds * (self.config.steps - step - 1)
+        self.print(
+            f"step {step + 1:>{len(str(self.config.steps))}}/{self.config.steps} | "
+            f"loss {record['loss']:.4f} | {record['tokens_per_sec']:,.0f} tokens/s | "
+            f"ETA {eta // 60:.0f}:{eta % 60:02.0f}"
+        )
+        self.write(record)
+
+    def write(self, record):
+        if self.file:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+
+    def finish(self, state, compiled) -> Result:
+        # The first interval can include one-off warm-up work; use the median step time.
+        step_seconds = float(np.median(self.step_seconds))
+        summary = {
+            **self.info,
+            "steps": len(self.losses),
+            "final_loss": self.losses[-1],
+            "loss_floor": getattr(self.dataset, "loss_floor", None),
+            "tokens_per_sec": self.tokens_per_step / step_seconds,
+            "step_seconds": step_seconds,
+            "compile_seconds": self.compile_seconds,
+        }
+        floor = f" (floor {summary['loss_floor']:.4f})" if summary["loss_floor"] is not None else ""
+        self.print(
+            f"done: final loss {summary['final_loss']:.4f}{floor}, "
+            f"{summary['tokens_per_sec']:,.0f} tokens/s, {step_seconds * 1e3:.1f} ms/step"
+        )
+        self.write({"summary": summary})
+        if self.file:
+            self.file.close()
+        return Result(self.losses, state, summary, compiled)

@@ -1,0 +1,178 @@
+"""Fully sharded data parallelism (ZeRO-3), written by hand in jax.shard_map.
+
+What is where: every parameter with at least --min-shard-size elements is split into N equal
+pieces along one of its axes over the mesh axis 'data' (boxed as nn.Partitioned, whose names
+say which axis); its Adam moments are split the same way. Each device stores 1/N of them, so
+parameter and optimizer memory per device is about total / N. Smaller parameters (LayerNorms,
+biases) stay replicated, as in shardmap_dp.py. The batch is split by rows over 'data', as in
+data parallelism.
+A step: each piece of the model (the embedding, every block, the head) all-gathers its full
+parameters just before it runs, and again in the backward pass rather than keeping them
+alive in between; the gradient of an all-gather is a reduce-scatter, which leaves each
+device the mean gradient of its own shard. Adam is elementwise, so each device updates only
+its shard. Replicated parameters get their gradients all-reduced, as in data parallelism.
+Collectives per step: all-gathers (forward and backward) and reduce-scatters of the large
+parameters, one all-reduce of the small ones.
+
+Run:
+  python fsdp.py                         # a laptop: 8 emulated CPU devices
+  python fsdp.py --steps 2000            # a GPU or TPU host: all of its devices
+
+Read before: shardmap_dp.py. Read next: pjit_tp.py, where the compiler writes the collectives.
+"""
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+
+import common
+
+import flax.linen as nn
+import numpy as np
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(common.Config):
+    min_shard_size: int = common.arg(
+        4096, "shard parameters with at least this many elements; smaller ones stay replicated"
+    )
+
+
+def make_mesh(config):
+    # Auto axes: the compiler may place whatever the specs below leave unsaid.
+    return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+BATCH_SPEC = P("data")  # rows split over the devices
+
+
+def is_sharded(x):
+    return isinstance(x, nn.Partitioned)
+
+
+def shard_params(params, config):
+    """Box each large parameter as nn.Partitioned, naming 'data' on the axis it is split along.
+
+    The logical names are dropped but for 'layers', the axis that --scan-layers stacks the
+    blocks along: nn.scan needs it named to hand each step of the scan one block's shards.
+    """
+
+    def shard(box):
+        x, names = box.value, [name if name == "layers" else None for name in box.names]
+        if x.size >= config.min_shard_size:
+            for axis in np.argsort(x.shape)[::-1]:  # the largest axis that splits evenly
+                if names[axis] is None and x.shape[axis] % jax.device_count() == 0:
+                    names[axis] = "data"
+                    return nn.Partitioned(x, names=tuple(names))
+        return x
+
+    return jax.tree.map(shard, params, is_leaf=is_sharded)
+
+
+def mesh_specs(tree):
+    def spec(x):  # only 'data' is a mesh axis; 'layers' and unnamed axes are not split
+        return P(*(name if name == "data" else None for name in x.names)) if is_sharded(x) else P()
+
+    return jax.tree.map(spec, tree, is_leaf=is_sharded)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def all_gather(shard, axis):
+    return lax.all_gather(shard, "data", axis=axis, tiled=True)
+
+
+def all_gather_fwd(shard, axis):
+    return all_gather(shard, axis), None
+
+
+def all_gather_bwd(axis, _, grad):
+    # Each device has the gradient of the full parameter for its own rows. One reduce-scatter
+    # sums them over devices and leaves each device its shard; divide by N for the mean.
+    return (lax.psum_scatter(grad, "data", scatter_dimension=axis, tiled=True) / lax.axis_size("data"),)
+
+
+all_gather.defvjp(all_gather_fwd, all_gather_bwd)
+
+
+def gather_params(params):
+    def gather(p):
+        full = all_gather(p.value, p.names.index("data")) if is_sharded(p) else p
+        return checkpoint_name(full, "gathered")
+
+    return jax.tree.map(gather, params, is_leaf=is_sharded)
+
+
+def gather_before_use(piece):
+    """Let a piece of the model see full parameters, gathered just before it runs. The remat
+    policy drops the gathered copies after the forward pass and gathers them again for the
+    backward: kept alive, every piece's full weights would be on every device at once."""
+    piece = nn.map_variables(piece, "params", trans_in_fn=gather_params)
+    return nn.remat(
+        piece, policy=jax.checkpoint_policies.save_anything_except_these_names("gathered"), static_argnums=(2,)
+    )
+
+
+def init_state(config, mesh):
+    model = common.GPT(config, wrap=gather_before_use)
+    create = functools.partial(common.create_state, config, model, functools.partial(shard_params, config=config))
+    # Each device computes only its own shards: the full model never exists on one device.
+    specs = mesh_specs(jax.eval_shape(create))
+    return jax.jit(create, out_shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs))()
+
+
+def train_step(state, batch, microbatches):
+    """One device's share of a step: its shards of the state, its rows of the batch."""
+    # Every device must drop different units: fold the device's index into the step's key.
+    rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index("data"))
+    # Mark the replicated parameters as varying over 'data' so their gradients are local, as
+    # in shardmap_dp.py. Shards differ per device already.
+    params = jax.tree.map(
+        lambda p: p if is_sharded(p) else lax.pcast(p, "data", to="varying"), state.params, is_leaf=is_sharded
+    )
+    local = state.replace(params=params)
+    grads, metrics = common.accumulate_gradients(local, batch, rng, microbatches)
+    # Shards got their mean gradient from the reduce-scatter in all_gather's backward; the
+    # replicated parameters need the all-reduce of data parallelism.
+    grads = jax.tree.map(lambda g: g if is_sharded(g) else lax.pmean(g, "data"), grads, is_leaf=is_sharded)
+    metrics = lax.psum(metrics, "data")
+    return state.apply_gradients(grads=grads), metrics
+
+
+def device_batch(batch, mesh):
+    # This process's rows become one global array, split over 'data'.
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, BATCH_SPEC), batch)
+
+
+def main(config):
+    common.setup(config)
+    mesh = make_mesh(config)
+    dataset = common.load_dataset(config)
+    state = init_state(config, mesh)
+    state_spec = mesh_specs(state)  # P(..., 'data', ...) for shards, P() otherwise
+    step_fn = jax.jit(
+        jax.shard_map(
+            functools.partial(train_step, microbatches=config.microbatches),
+            mesh=mesh,
+            in_specs=(state_spec, BATCH_SPEC),
+            out_specs=(state_spec, P()),
+        ),
+        donate_argnums=0,
+    )
+    first_batch = device_batch(common.host_batch(dataset, config, 0), mesh)
+    compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
+    layout = f"mesh data={mesh.shape['data']}, parameters and optimizer state sharded"
+    log = common.Logger(config, dataset, layout, compile_seconds)
+    for step in range(config.steps):
+        batch = device_batch(common.host_batch(dataset, config, step), mesh)
+        state, metrics = compiled(state, batch)
+        log.log(step, metrics)
+    return log.finish(state, compiled)
+
+
+if __name__ == "__main__":
+    main(common.parse_config(Config, __doc__))

@@ -1,0 +1,142 @@
+"""Logical axis names mapped to the mesh by rules: one model, four strategies.
+
+What is where: the model names every parameter axis ('embed', 'heads', 'mlp', 'vocab', ...)
+with nn.with_logical_partitioning and every activation axis ('batch', 'act_heads', ...) with
+nn.with_logical_constraint, in common.py. A rules table maps those names to the axes of the
+('data', 'model') mesh; a name with no rule stays unsplit. --rules picks a preset:
+  dp       the batch over all devices; everything else replicated (as shardmap_dp.py)
+  fsdp     the batch and every parameter's 'embed' axis over all devices (as fsdp.py)
+  tp       the batch over 'data'; heads and MLP units over 'model' (as pjit_tp.py)
+  fsdp_tp  tp, plus every parameter's 'embed' axis over 'data' (2-D sharding)
+The mesh, the model, the step and every flag stay the same; only the rules change, and jit
+writes the collectives that each layout needs.
+Collectives per step, by preset: dp, an all-reduce of the gradients; fsdp, all-gathers of the
+parameters and reduce-scatters of their gradients; tp, all-reduces over 'model' of each
+block's partial sums; fsdp_tp, both of the last two.
+
+"pjit" is the old name: jax.experimental.pjit was merged into jax.jit, which takes
+in_shardings and out_shardings directly.
+
+Run:
+  python logical_pjit.py --rules fsdp_tp     # a laptop: 8 emulated CPU devices
+  python logical_pjit.py --rules fsdp --mesh data=8,model=1 --steps 2000   # a GPU/TPU host
+
+Read before: pjit_tp.py. Read next: MaxText, which scales this layout to real models.
+"""
+
+import dataclasses
+import functools
+
+import jax
+
+import common
+
+import flax.linen as nn
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+# Logical axis name -> mesh axis (or axes). Names without a rule are not split.
+RULES = {
+    "dp": (("batch", ("data", "model")),),
+    "fsdp": (("batch", ("data", "model")), ("embed", ("data", "model"))),
+    "tp": (("batch", "data"), ("heads", "model"), ("mlp", "model"), ("act_heads", "model"), ("act_mlp", "model")),
+    "fsdp_tp": (
+        ("batch", "data"),
+        ("embed", "data"),
+        ("heads", "model"),
+        ("mlp", "model"),
+        ("act_heads", "model"),
+        ("act_mlp", "model"),
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(common.Config):
+    mesh: str = common.arg("auto", "mesh axis sizes, e.g. data=2,model=4; 'auto' gives that on 8 devices")
+    rules: str = common.arg("fsdp_tp", "logical-to-mesh rules preset", choices=tuple(RULES))
+
+    def axis_size(self, logical_name):
+        """How many ways the rules split a logical axis on this mesh."""
+        shape = common.mesh_shape(self.mesh, self.heads)
+        axes = dict(RULES[self.rules]).get(logical_name, ())
+        return functools.reduce(lambda n, axis: n * shape[axis], (axes,) if isinstance(axes, str) else axes, 1)
+
+    def batch_shards(self):
+        return self.axis_size("batch")
+
+    def validate(self):
+        common.require(self.rules in RULES, "rules", f"must be one of {', '.join(RULES)}")
+        super().validate()
+        for name, size in (("heads", self.heads), ("mlp", 4 * self.d_model), ("embed", self.d_model)):
+            common.require(
+                size % self.axis_size(name) == 0,
+                "mesh",
+                f"splits '{name}' {self.axis_size(name)} ways under --rules {self.rules}, "
+                f"which does not divide its size {size}",
+            )
+
+
+def make_mesh(config):
+    shape = common.mesh_shape(config.mesh, config.heads)
+    # Auto axes: the compiler may place whatever the specs below leave unsaid.
+    return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def state_shardings(abstract_state, mesh, rules):
+    # The boxes' logical names become PartitionSpecs of mesh axes through the rules.
+    return nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_state), mesh, rules)
+
+
+def init_state(config, mesh):
+    create = functools.partial(common.create_state, config, common.GPT(config))
+    # Keep the logical boxes in the abstract state to read their names, not in the real one.
+    boxed = jax.eval_shape(functools.partial(create, params_fn=lambda params: params))
+    # Each device computes only its own shards: the full model never exists on one device.
+    return jax.jit(create, out_shardings=state_shardings(boxed, mesh, RULES[config.rules]))()
+
+
+def train_step(state, batch, microbatches):
+    """The single-device step, unchanged: jit partitions it over the mesh."""
+    rng = jax.random.fold_in(state.rng, state.step)
+    grads, metrics = common.accumulate_gradients(state, batch, rng, microbatches)
+    return state.apply_gradients(grads=grads), metrics
+
+
+def batch_sharding(mesh, rules):
+    return NamedSharding(mesh, nn.logical_to_mesh_axes(("batch", None), rules))
+
+
+def device_batch(batch, mesh, rules):
+    # This process's rows become one global array, split as the rules split 'batch'.
+    return jax.make_array_from_process_local_data(batch_sharding(mesh, rules), batch)
+
+
+def main(config):
+    common.setup(config)
+    mesh = make_mesh(config)
+    dataset = common.load_dataset(config)
+    state = init_state(config, mesh)
+    state_sharding = jax.tree.map(lambda x: x.sharding, state)
+    rules = RULES[config.rules]
+    step_fn = jax.jit(
+        functools.partial(train_step, microbatches=config.microbatches),
+        in_shardings=(state_sharding, batch_sharding(mesh, rules)),
+        out_shardings=(state_sharding, NamedSharding(mesh, P())),
+        donate_argnums=0,
+    )
+    first_batch = device_batch(common.host_batch(dataset, config, 0), mesh, rules)
+    # The activations' logical constraints resolve against these rules and mesh while tracing.
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
+    layout = f"mesh data={mesh.shape['data']},model={mesh.shape['model']}, rules {config.rules}"
+    log = common.Logger(config, dataset, layout, compile_seconds)
+    for step in range(config.steps):
+        batch = device_batch(common.host_batch(dataset, config, step), mesh, rules)
+        state, metrics = compiled(state, batch)
+        log.log(step, metrics)
+    return log.finish(state, compiled)
+
+
+if __name__ == "__main__":
+    main(common.parse_config(Config, __doc__))

@@ -1,0 +1,122 @@
+"""Tensor (model) parallelism by the compiler: jax.jit with shardings on a 2-D mesh.
+
+What is where: the devices form a ('data', 'model') mesh (--mesh, data=2,model=4 on 8
+devices). The batch is split by rows over 'data'. Inside each transformer block the weights
+are split over 'model' in the Megatron layout: the first matmul of attention (query, key,
+value) and of the MLP (fc1) by output columns, so each device owns some heads and some hidden
+units; the second (attn/out, fc2) by input rows, so each device turns its own heads and
+units into a partial sum. The table PARAM_SPECS says this per parameter path; it applies to
+the Adam moments too, whose paths end with the parameter's. Everything else is replicated.
+The step is written for one device, and jit partitions it from the shardings of its inputs
+and outputs (GSPMD), inserting the collectives itself.
+Collectives per step: per block, an all-reduce over 'model' of the partial sums after attn/out
+and after fc2 in the forward pass, and two matching ones in the backward pass; an all-reduce
+over 'data' of the gradients, as in data parallelism.
+
+"pjit" is the old name: jax.experimental.pjit was merged into jax.jit, which takes
+in_shardings and out_shardings directly.
+
+Run:
+  python pjit_tp.py                      # a laptop: 8 emulated CPU devices, data=2,model=4
+  python pjit_tp.py --mesh data=1,model=8 --steps 2000   # a GPU or TPU host
+
+Read before: fsdp.py. Read next: logical_pjit.py, which states the same layout as rules.
+"""
+
+import dataclasses
+import functools
+
+import jax
+
+import common
+
+import re
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(common.Config):
+    mesh: str = common.arg("auto", "mesh axis sizes, e.g. data=2,model=4; 'auto' gives that on 8 devices")
+
+    def batch_shards(self):
+        return common.mesh_shape(self.mesh, self.heads)["data"]
+
+    def validate(self):
+        super().validate()
+        model = common.mesh_shape(self.mesh, self.heads)["model"]
+        common.require(self.heads % model == 0, "mesh", f"model={model} must divide --heads {self.heads}")
+
+
+def make_mesh(config):
+    shape = common.mesh_shape(config.mesh, config.heads)
+    # Auto axes: the compiler may place whatever the specs below leave unsaid.
+    return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+# Parameter path pattern -> how its axes are split; the first match wins.
+PARAM_SPECS = (
+    (r"attn/(query|key|value)/kernel", P(None, "model")),  # [embed, heads x head_dim]
+    (r"attn/(query|key|value)/bias", P("model")),  # [heads x head_dim]
+    (r"attn/out/kernel", P("model", None)),  # [heads x head_dim, embed]
+    (r"mlp/fc1/kernel", P(None, "model")),  # [embed, mlp]
+    (r"mlp/fc1/bias", P("model")),  # [mlp]
+    (r"mlp/fc2/kernel", P("model", None)),  # [mlp, embed]
+    (r"", P()),  # the rest: embeddings, LayerNorms, output biases, the head, step counters
+)
+BATCH_SPEC = P("data")  # rows split over the data-parallel axis
+
+
+def state_shardings(abstract_state, mesh):
+    def sharding(path, leaf):
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        spec = next(spec for pattern, spec in PARAM_SPECS if re.search(pattern, name))
+        # With --scan-layers the blocks are stacked: the stacking axis comes first, unsplit.
+        return NamedSharding(mesh, P(*[None] * (leaf.ndim - len(spec)), *spec) if spec else spec)
+
+    return jax.tree_util.tree_map_with_path(sharding, abstract_state)
+
+
+def init_state(config, mesh):
+    create = functools.partial(common.create_state, config, common.GPT(config))
+    # Each device computes only its own shards: the full model never exists on one device.
+    return jax.jit(create, out_shardings=state_shardings(jax.eval_shape(create), mesh))()
+
+
+def train_step(state, batch, microbatches):
+    """The single-device step, unchanged: jit partitions it over the mesh."""
+    rng = jax.random.fold_in(state.rng, state.step)
+    grads, metrics = common.accumulate_gradients(state, batch, rng, microbatches)
+    return state.apply_gradients(grads=grads), metrics
+
+
+def device_batch(batch, mesh):
+    # This process's rows become one global array, split over 'data'.
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, BATCH_SPEC), batch)
+
+
+def main(config):
+    common.setup(config)
+    mesh = make_mesh(config)
+    dataset = common.load_dataset(config)
+    state = init_state(config, mesh)
+    state_sharding = jax.tree.map(lambda x: x.sharding, state)
+    step_fn = jax.jit(
+        functools.partial(train_step, microbatches=config.microbatches),
+        in_shardings=(state_sharding, NamedSharding(mesh, BATCH_SPEC)),
+        out_shardings=(state_sharding, NamedSharding(mesh, P())),
+        donate_argnums=0,
+    )
+    first_batch = device_batch(common.host_batch(dataset, config, 0), mesh)
+    compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
+    layout = f"mesh data={mesh.shape['data']},model={mesh.shape['model']}, Megatron tensor parallel"
+    log = common.Logger(config, dataset, layout, compile_seconds)
+    for step in range(config.steps):
+        batch = device_batch(common.host_batch(dataset, config, step), mesh)
+        state, metrics = compiled(state, batch)
+        log.log(step, metrics)
+    return log.finish(state, compiled)
+
+
+if __name__ == "__main__":
+    main(common.parse_config(Config, __doc__))

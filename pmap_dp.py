@@ -1,0 +1,81 @@
+"""Data parallelism with jax.pmap: the historical starting point.
+
+What is where: the parameters and optimizer state are replicated, a full copy on every local
+device, stacked along a new leading axis (flax.jax_utils.replicate); each host batch is split
+along a new leading axis into one slice per local device (common_utils.shard). Each device
+computes the gradient of its rows, one all-reduce (lax.pmean) averages the gradients, and every
+copy applies the same update, so the copies stay equal.
+Collectives per step: one all-reduce of the gradients, and a tiny one of the metrics.
+
+pmap is in maintenance mode: since JAX 0.8 it is implemented with jax.jit and jax.shard_map,
+and new code should use jax.shard_map directly. pmap's arrays are per-device stacks that work
+only inside pmap, and it maps a single axis of devices, so it cannot express a mesh with a
+second axis (model parallelism) or let the compiler shard anything. shardmap_dp.py is this
+script rewritten that way; diff the two.
+
+Run:
+  python pmap_dp.py                      # a laptop: 8 emulated CPU devices
+  python pmap_dp.py --steps 2000         # a GPU or TPU host: all of its devices
+
+Read before: nothing, start here. Read next: shardmap_dp.py.
+"""
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+
+import common
+
+from flax import jax_utils
+from flax.training import common_utils
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(common.Config):
+    pass  # no flags of its own: pmap maps over every local device
+
+
+def init_state(config):
+    create = functools.partial(common.create_state, config, common.GPT(config))
+    return jax_utils.replicate(jax.jit(create)())  # one copy per local device, stacked
+
+
+def train_step(state, batch, microbatches):
+    """One device's share of a step: its full copy of the state, its rows of the batch."""
+    # Every device must drop different units: fold the device's index into the step's key.
+    rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index("data"))
+    grads, metrics = common.accumulate_gradients(state, batch, rng, microbatches)
+    grads = lax.pmean(grads, "data")  # all-reduce: every copy now applies the same update
+    metrics = lax.psum(metrics, "data")
+    return state.apply_gradients(grads=grads), metrics
+
+
+def device_batch(batch):
+    # [rows, ...] -> [local devices, rows per device, ...]: pmap sends slice i to device i.
+    return common_utils.shard(batch)
+
+
+def main(config):
+    common.setup(config)
+    dataset = common.load_dataset(config)
+    state = init_state(config)
+    step_fn = jax.pmap(
+        functools.partial(train_step, microbatches=config.microbatches),
+        axis_name="data",
+        donate_argnums=0,
+    )
+    first_batch = device_batch(common.host_batch(dataset, config, 0))
+    compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
+    layout = f"pmap over {jax.local_device_count()} local devices, state replicated"
+    log = common.Logger(config, dataset, layout, compile_seconds)
+    for step in range(config.steps):
+        batch = device_batch(common.host_batch(dataset, config, step))
+        state, metrics = compiled(state, batch)
+        log.log(step, metrics)
+    return log.finish(state, compiled)
+
+
+if __name__ == "__main__":
+    main(common.parse_config(Config, __doc__))

@@ -1,0 +1,97 @@
+"""Data parallelism with jax.shard_map: the algorithm of pmap_dp.py, written the current way.
+
+What is where: the parameters and optimizer state are replicated, a full copy on every device
+(PartitionSpec P()); the global batch is split by rows over the mesh axis 'data'
+(P('data')). Each device computes the gradient of its rows, one all-reduce (lax.pmean)
+averages the gradients, and every copy applies the same update, so the copies stay equal.
+Collectives per step: one all-reduce of the gradients, and a tiny one of the metrics.
+
+What changes from pmap_dp.py: arrays are global jax.Arrays laid out on a Mesh instead of
+per-device stacks, so the same arrays work with jax.jit, meshes of several axes and several
+hosts; the body sees per-device shapes; and check_vma verifies, while tracing, that
+everything returned as replicated really is the same on every device.
+
+Run:
+  python shardmap_dp.py                  # a laptop: 8 emulated CPU devices
+  python shardmap_dp.py --steps 2000     # a GPU or TPU host: all of its devices
+
+Read before: pmap_dp.py. Read next: fsdp.py, which shards what this script replicates.
+"""
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+
+import common
+
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(common.Config):
+    pass  # no flags of its own: the mesh is every device along one axis, 'data'
+
+
+def make_mesh(config):
+    # Auto axes: the compiler may place whatever the specs below leave unsaid.
+    return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+STATE_SPEC = P()  # replicated: every device holds the whole TrainState
+BATCH_SPEC = P("data")  # rows split over the devices
+
+
+def init_state(config, mesh):
+    create = functools.partial(common.create_state, config, common.GPT(config))
+    return jax.jit(create, out_shardings=NamedSharding(mesh, STATE_SPEC))()
+
+
+def train_step(state, batch, microbatches):
+    """One device's share of a step: its full copy of the state, its rows of the batch."""
+    # Every device must drop different units: fold the device's index into the step's key.
+    rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index("data"))
+    # Differentiate this device's copy (marked as varying over 'data'), so the gradients are
+    # its own and averaging them is ours to write, as in pmap. Left unmarked, check_vma would
+    # insert the reduction itself: a psum, which is a sum, not the mean we want.
+    local = state.replace(params=lax.pcast(state.params, "data", to="varying"))
+    grads, metrics = common.accumulate_gradients(local, batch, rng, microbatches)
+    grads = lax.pmean(grads, "data")  # all-reduce: every copy now applies the same update
+    metrics = lax.psum(metrics, "data")
+    return state.apply_gradients(grads=grads), metrics
+
+
+def device_batch(batch, mesh):
+    # This process's rows become one global array, split over 'data'.
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, BATCH_SPEC), batch)
+
+
+def main(config):
+    common.setup(config)
+    mesh = make_mesh(config)
+    dataset = common.load_dataset(config)
+    state = init_state(config, mesh)
+    step_fn = jax.jit(
+        jax.shard_map(
+            functools.partial(train_step, microbatches=config.microbatches),
+            mesh=mesh,
+            in_specs=(STATE_SPEC, BATCH_SPEC),
+            out_specs=(STATE_SPEC, P()),
+        ),
+        donate_argnums=0,
+    )
+    first_batch = device_batch(common.host_batch(dataset, config, 0), mesh)
+    compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
+    layout = f"mesh data={mesh.shape['data']}, state replicated"
+    log = common.Logger(config, dataset, layout, compile_seconds)
+    for step in range(config.steps):
+        batch = device_batch(common.host_batch(dataset, config, step), mesh)
+        state, metrics = compiled(state, batch)
+        log.log(step, metrics)
+    return log.finish(state, compiled)
+
+
+if __name__ == "__main__":
+    main(common.parse_config(Config, __doc__))

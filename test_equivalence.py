@@ -1,0 +1,324 @@
+"""Every strategy computes what one device computes, and really shards what it claims.
+
+On 8 emulated CPU devices (conftest.py), float32 and dropout 0, each script and each logical
+rules preset trains a small model for 20 steps and is compared with a single-device
+reference: plain jax.jit on one device, the same model, data, optimizer and seed. Then the
+final state's shardings and the collectives in the compiled step show that the work was
+really split the way the script says. The command line is exercised from a folder holding
+only the script and common.py.
+"""
+
+import functools
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import numpy as np
+import pytest
+
+import common
+import fsdp
+import logical_pjit
+import pjit_tp
+import pmap_dp
+import shardmap_dp
+
+ROOT = Path(__file__).parent
+DEVICES = 8
+SMALL = dict(
+    steps=20, batch_size=16, seq_len=32, layers=2, d_model=64, heads=4, dropout=0.0, lr=3e-3, warmup_steps=5,
+    log_every=20, cpu_devices=DEVICES,
+)  # fmt: skip
+RTOL = 1e-5  # DESIGN.md: per-step losses and final parameters within 1e-5, relative
+
+SCRIPTS = {"pmap_dp": pmap_dp, "shardmap_dp": shardmap_dp, "fsdp": fsdp, "pjit_tp": pjit_tp}
+STRATEGIES = {name: (module, {}) for name, module in SCRIPTS.items()}
+STRATEGIES.update({f"logical_{rules}": (logical_pjit, {"rules": rules}) for rules in logical_pjit.RULES})
+
+
+@functools.cache
+def run(name, **overrides):
+    module, strategy_flags = STRATEGIES[name]
+    return module.main(module.Config(**{**SMALL, **strategy_flags, **overrides}))
+
+
+@functools.cache
+def reference(**overrides):
+    """The same training, with no parallelism at all: plain jax.jit on one device."""
+    config = common.Config(**{**SMALL, **overrides})
+    dataset = common.load_dataset(config)
+    state = jax.jit(functools.partial(common.create_state, config, common.GPT(config)))()
+
+    @jax.jit
+    def train_step(state, batch):
+        grads, metrics = common.accumulate_gradients(
+            state, batch, jax.random.fold_in(state.rng, state.step), config.microbatches
+        )
+        return state.apply_gradients(grads=grads), metrics
+
+    losses = []
+    for step in range(config.steps):
+        state, metrics = train_step(state, dataset.batch(step, 0, config.batch_size))
+        losses.append(float(metrics["loss_sum"]) / float(metrics["tokens"]))
+    assert len(jax.tree.leaves(state.params)[0].devices()) == 1
+    return losses, state
+
+
+def global_params(name, state):
+    """The parameters as plain global numpy arrays, whatever the strategy's layout."""
+    params = nn.unbox(state.params)  # fsdp.py's nn.Partitioned boxes hold global arrays
+    if name == "pmap_dp":  # one stacked copy per device: check they agree, keep one
+        for leaf in jax.tree.leaves(params):
+            copies = np.asarray(leaf)
+            assert copies.shape[0] == DEVICES and (copies == copies[0]).all()
+        params = jax.tree.map(lambda x: x[0], params)
+    return jax.tree.map(np.asarray, params)
+
+
+def compare(name, result, ref_losses, ref_state):
+    """Per-step losses and final parameters against the reference, both relative: the loss
+    difference over the reference loss, and for each parameter ||mine - ref|| / ||ref||."""
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(result.losses, ref_losses, strict=True))
+    mine, ref = global_params(name, result.state), global_params("reference", ref_state)
+    assert jax.tree.structure(mine) == jax.tree.structure(ref)
+    pairs = list(zip(jax.tree.leaves(mine), jax.tree.leaves(ref), strict=True))
+    param_diff = max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in pairs)
+    abs_diff = max(np.abs(a - b).max() for a, b in pairs)
+    print(f"\n{name}: loss {loss_diff:.1e}, parameters {param_diff:.1e} (largest |difference| {abs_diff:.1e})")
+    assert loss_diff <= RTOL
+    assert param_diff <= RTOL
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_matches_single_device_reference(name):
+    compare(name, run(name), *reference())
+    assert run(name).losses[-1] < run(name).losses[0] - 1  # and it learned something
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_microbatches_match(name):
+    result = run(name, microbatches=4, batch_size=32)
+    compare(f"{name} --microbatches 4", result, *reference(batch_size=32))
+
+
+@pytest.mark.parametrize("name", ["pmap_dp", "shardmap_dp", "fsdp", "pjit_tp", "logical_fsdp_tp"])
+def test_scanned_layers_match(name):
+    result = run(name, scan_layers=True)
+    compare(f"{name} --scan-layers", result, reference()[0], reference(scan_layers=True)[1])
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_dropout_training_learns(name):
+    losses = run(name, dropout=0.1, steps=80).losses
+    print(f"\n{name} --dropout 0.1: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+    assert losses[-1] < 0.6 * losses[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# The strategy is real: shardings of the final state, collectives in the compiled step
+# ----------------------------------------------------------------------------------------------
+
+
+def collectives(compiled):
+    """{op: [replica groups of each instance]} for every collective in the compiled HLO."""
+    found = {}
+    for line in compiled.as_text().splitlines():
+        op = re.search(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\(", line)
+        if op:
+            found.setdefault(op.group(1), []).append(replica_groups(line))
+    return found
+
+
+def replica_groups(line):
+    """The device groups of one collective, from any of the three forms XLA prints."""
+    if mesh := re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line):  # groups vary along named axes
+        axes = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
+        varying = [[name for name, _ in axes].index(a) for a in re.findall(r"'(\w+)'", mesh.group(2))]
+        ids = np.arange(DEVICES).reshape([int(size) for _, size in axes])
+        kept = [i for i in range(ids.ndim) if i not in varying]
+        ids = ids.transpose(kept + varying)
+        return {tuple(g) for g in ids.reshape(-1, math.prod(ids.shape[len(kept) :])).tolist()}
+    if explicit := re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line):
+        return {tuple(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", explicit.group(1))}
+    if iota := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line):
+        count, size, dims, perm = iota.groups()
+        ids = np.arange(DEVICES).reshape([int(d) for d in dims.split(",")])
+        ids = ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+        return {tuple(g) for g in ids.reshape(int(count), int(size)).tolist()}
+    assert "replica_groups" not in line, f"unknown replica group format: {line}"
+    return None  # e.g. collective-permute, whose source_target_pairs are not groups
+
+
+ALL = {tuple(range(DEVICES))}
+MODEL_GROUPS = {tuple(row) for row in np.arange(DEVICES).reshape(2, 4).tolist()}  # mesh data=2,model=4
+DATA_GROUPS = {tuple(col) for col in np.arange(DEVICES).reshape(2, 4).T.tolist()}
+
+
+def shard_shapes(result):
+    """{parameter path: the shape of the piece device 0 holds}."""
+    params = nn.unbox(result.state.params)
+    return {
+        jax.tree_util.keystr(path, simple=True, separator="/"): leaf.addressable_data(0).shape
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+    }
+
+
+def state_bytes(state):
+    """(total, on device 0) bytes of the parameters and optimizer state."""
+    leaves = jax.tree.leaves(nn.unbox((state.params, state.opt_state)))
+    return sum(x.nbytes for x in leaves), sum(x.addressable_data(0).nbytes for x in leaves)
+
+
+def test_pmap_replicates():
+    result = run("pmap_dp")
+    for leaf in jax.tree.leaves(result.state.params):
+        assert leaf.shape[0] == DEVICES and len(leaf.sharding.device_set) == DEVICES
+    ops = collectives(result.compiled)
+    assert ALL in ops["all-reduce"]
+    assert "all-gather" not in ops and "reduce-scatter" not in ops
+
+
+def test_shardmap_dp_replicates():
+    result = run("shardmap_dp")
+    for leaf in jax.tree.leaves((result.state.params, result.state.opt_state)):
+        assert leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == DEVICES
+    ops = collectives(result.compiled)
+    assert ALL in ops["all-reduce"]
+    assert "all-gather" not in ops and "reduce-scatter" not in ops
+
+
+def test_fsdp_shards_parameters_and_optimizer_state():
+    result = run("fsdp")
+    config = fsdp.Config(**SMALL)
+    params = result.state.params
+    sharded = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=fsdp.is_sharded):
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        value = leaf.value if fsdp.is_sharded(leaf) else leaf
+        if value.size >= config.min_shard_size:
+            assert fsdp.is_sharded(leaf), name
+            axis = leaf.names.index("data")
+            expected = value.shape[:axis] + (value.shape[axis] // DEVICES,) + value.shape[axis + 1 :]
+            assert value.addressable_data(0).shape == expected, name
+            sharded += 1
+        else:
+            assert value.sharding.is_fully_replicated, name
+    assert sharded >= 6 * SMALL["layers"]  # every kernel of every block, at least
+    leaves = jax.tree.leaves((result.state.params, result.state.opt_state), is_leaf=fsdp.is_sharded)
+    expected = sum(x.value.nbytes // DEVICES if fsdp.is_sharded(x) else x.nbytes for x in leaves)
+    total, per_device = state_bytes(result.state)
+    print(f"\nfsdp: {per_device} of {total} state bytes on device 0 ({per_device / total * DEVICES:.3f} x total/8)")
+    assert per_device == expected  # shards are exactly 1/8; only the small parameters are whole
+    ops = collectives(result.compiled)
+    assert ALL in ops["all-gather"] and ALL in ops["reduce-scatter"]
+
+
+def test_pjit_tp_splits_blocks_over_model():
+    result = run("pjit_tp")
+    shapes, d = shard_shapes(result), SMALL["d_model"]
+    for layer in range(SMALL["layers"]):
+        block = f"block_{layer}"
+        for name in ("query", "key", "value"):
+            assert shapes[f"{block}/attn/{name}/kernel"] == (d, d // 4)
+        assert shapes[f"{block}/attn/out/kernel"] == (d // 4, d)
+        assert shapes[f"{block}/mlp/fc1/kernel"] == (d, 4 * d // 4)
+        assert shapes[f"{block}/mlp/fc2/kernel"] == (4 * d // 4, d)
+    assert shapes["embed/token/embedding"] == (common.VOCAB_SIZE, d)  # replicated
+    ops = collectives(result.compiled)
+    assert MODEL_GROUPS in ops["all-reduce"]  # the partial sums of the row-parallel matmuls
+    assert DATA_GROUPS in ops["all-reduce"]  # the data-parallel gradient reduction
+
+
+@pytest.mark.parametrize(
+    "rules, fc1_shard, collective",
+    [
+        ("dp", (64, 256), ("all-reduce", ALL)),
+        ("fsdp", (64 // 8, 256), ("all-gather", ALL)),
+        ("tp", (64, 256 // 4), ("all-reduce", MODEL_GROUPS)),
+        ("fsdp_tp", (64 // 2, 256 // 4), ("all-reduce", MODEL_GROUPS)),
+    ],
+)
+def test_logical_rules_decide_the_layout(rules, fc1_shard, collective):
+    result = run(f"logical_{rules}")
+    assert shard_shapes(result)["block_0/mlp/fc1/kernel"] == fc1_shard
+    ops = collectives(result.compiled)
+    op, groups = collective
+    assert groups in ops[op], f"{op} over {groups} not in {ops.keys()}"
+    if rules == "dp":
+        assert "all-gather" not in ops
+    if rules in ("fsdp", "fsdp_tp"):
+        total, per_device = state_bytes(result.state)
+        print(f"\nlogical {rules}: {per_device / total * DEVICES:.3f} x total/8 bytes on device 0")
+
+
+# ----------------------------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------------------------
+
+
+def test_batches_depend_only_on_seed_and_step():
+    data = common.SyntheticData(seed=3, seq_len=16)
+    whole = data.batch(7, 0, 8)
+    assert (np.concatenate([data.batch(7, 0, 3), data.batch(7, 3, 8)]) == whole).all()
+    assert (common.SyntheticData(seed=3, seq_len=16).batch(7, 0, 8) == whole).all()
+    assert not (data.batch(8, 0, 8) == whole).all()
+    assert not (common.SyntheticData(seed=4, seq_len=16).batch(7, 0, 8) == whole).all()
+    assert whole.dtype == np.int32 and whole.shape == (8, 17)
+
+
+def test_loss_floor_is_the_sampled_entropy_rate():
+    data = common.SyntheticData(seed=0, seq_len=256)
+    tokens = data.batch(0, 0, 64)
+    probs = np.diff(data.cumulative, prepend=0, axis=1)
+    previous, following = tokens[:, :-1].ravel(), tokens[:, 1:].ravel()
+    slot = (data.successors[previous] == following[:, None]).argmax(axis=1)
+    assert (data.successors[previous, slot] == following).all()  # only allowed transitions
+    empirical = -np.log(probs[previous, slot]).mean()
+    assert abs(empirical - data.loss_floor) < 0.03 * data.loss_floor
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line, from a folder holding only the script and common.py
+# ----------------------------------------------------------------------------------------------
+
+TINY = ["--steps", "3", "--batch-size", "8", "--seq-len", "16", "--layers", "1", "--d-model", "32", "--log-every", "1"]
+
+
+def run_script(script, tmp_path, *flags):
+    for name in (f"{script}.py", "common.py"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    return subprocess.run(
+        [sys.executable, f"{script}.py", *flags], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+
+
+@pytest.mark.parametrize("script", SCRIPTS | {"logical_pjit": logical_pjit})
+def test_command_line_runs_alone(script, tmp_path):
+    done = run_script(script, tmp_path, *TINY, "--metrics-file", "metrics.jsonl")
+    assert done.returncode == 0, done.stderr
+    assert "step 3/3" in done.stdout
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records[:-1]] == [1, 2, 3]
+    assert {"loss", "tokens_per_sec"} <= set(records[0]) and "summary" in records[-1]
+
+
+@pytest.mark.parametrize("script", SCRIPTS | {"logical_pjit": logical_pjit})
+def test_bad_batch_size_exits_2_with_one_line(script, tmp_path):
+    done = run_script(script, tmp_path, *TINY, "--batch-size", "9")  # no mesh here splits 9 rows
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and "--batch-size" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_help_lists_every_flag(tmp_path):
+    done = run_script("logical_pjit", tmp_path, "--help")
+    assert done.returncode == 0
+    for field in logical_pjit.Config.__dataclass_fields__:
+        assert "--" + field.replace("_", "-") in done.stdout
