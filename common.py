@@ -191,6 +191,18 @@ def _zeros(names):
     return nn.with_logical_partitioning(nn.initializers.zeros, names)
 
 
+def _dense(config, features, names, name, scale=1.0, use_bias=True):
+    """A Dense layer computing in --dtype; `names` are the logical axes of its kernel."""
+    return nn.Dense(
+        features,
+        use_bias=use_bias,
+        kernel_init=_init(names, scale),
+        bias_init=_zeros(names[-1:]),
+        dtype=config.dtype,
+        name=name,
+    )
+
+
 def _layer_norm(config, name):
     return nn.LayerNorm(
         dtype=config.dtype,
@@ -198,6 +210,11 @@ def _layer_norm(config, name):
         bias_init=_zeros(("norm",)),
         name=name,
     )
+
+
+def _residual_scale(config):
+    # GPT-2 scales the init of projections into the residual stream by 1/sqrt(2 * layers).
+    return 1 / math.sqrt(2 * config.layers)
 
 
 class Embed(nn.Module):
@@ -222,25 +239,17 @@ class Attention(nn.Module):
         c = self.config
         # The d_model outputs of query, key and value are laid out head by head, so splitting
         # that axis into equal contiguous parts (tensor parallelism) gives each device whole heads.
-        qkv = functools.partial(
-            nn.Dense, c.d_model, kernel_init=_init(("embed", "heads")), bias_init=_zeros(("heads",)), dtype=c.dtype
-        )
         # No key bias: it adds the same q.b to all of a query's scores, which softmax ignores, so
         # its gradient is zero and Adam would only turn rounding noise into updates.
         q, k, v = (
-            qkv(use_bias=name != "key", name=name)(x).reshape(*x.shape[:-1], c.heads, -1)
+            _dense(c, c.d_model, ("embed", "heads"), name, use_bias=name != "key")(x).reshape(
+                *x.shape[:-1], c.heads, -1
+            )
             for name in ("query", "key", "value")
         )
         q, k, v = (nn.with_logical_constraint(t, ("batch", "length", "act_heads", None)) for t in (q, k, v))
         x = jax.nn.dot_product_attention(q, k, v, is_causal=True)
-        x = nn.Dense(
-            c.d_model,
-            # GPT-2 scales the init of projections into the residual stream by 1/sqrt(2 * layers)
-            kernel_init=_init(("heads", "embed"), 1 / math.sqrt(2 * c.layers)),
-            bias_init=_zeros(("embed",)),
-            dtype=c.dtype,
-            name="out",
-        )(x.reshape(*x.shape[:-2], -1))
+        x = _dense(c, c.d_model, ("heads", "embed"), "out", _residual_scale(c))(x.reshape(*x.shape[:-2], -1))
         return nn.Dropout(c.dropout)(x, deterministic=deterministic)
 
 
@@ -250,21 +259,9 @@ class Mlp(nn.Module):
     @nn.compact
     def __call__(self, x, deterministic):
         c = self.config
-        h = nn.Dense(
-            4 * c.d_model,
-            kernel_init=_init(("embed", "mlp")),
-            bias_init=_zeros(("mlp",)),
-            dtype=c.dtype,
-            name="fc1",
-        )(x)
-        h = nn.gelu(nn.with_logical_constraint(h, ("batch", "length", "act_mlp")))
-        x = nn.Dense(
-            c.d_model,
-            kernel_init=_init(("mlp", "embed"), 1 / math.sqrt(2 * c.layers)),
-            bias_init=_zeros(("embed",)),
-            dtype=c.dtype,
-            name="fc2",
-        )(h)
+        h = nn.gelu(_dense(c, 4 * c.d_model, ("embed", "mlp"), "fc1")(x))
+        h = nn.with_logical_constraint(h, ("batch", "length", "act_mlp"))
+        x = _dense(c, c.d_model, ("mlp", "embed"), "fc2", _residual_scale(c))(h)
         return nn.Dropout(c.dropout)(x, deterministic=deterministic)
 
 
@@ -285,13 +282,7 @@ class Head(nn.Module):
     @nn.compact
     def __call__(self, x, deterministic):  # the signature of every piece, so one wrap fits all
         x = _layer_norm(self.config, "ln_f")(x)
-        logits = nn.Dense(
-            VOCAB_SIZE,
-            use_bias=False,
-            kernel_init=_init(("embed", "vocab")),
-            dtype=self.config.dtype,
-            name="out",
-        )(x)
+        logits = _dense(self.config, VOCAB_SIZE, ("embed", "vocab"), "out", use_bias=False)(x)
         # The loss is computed in float32 whatever the compute dtype.
         return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
 

@@ -8,9 +8,10 @@ biases) stay replicated, as in shardmap_dp.py. The batch is split by rows over '
 data parallelism.
 A step: each piece of the model (the embedding, every block, the head) all-gathers its full
 parameters just before it runs, and again in the backward pass rather than keeping them
-alive in between; the gradient of an all-gather is a reduce-scatter, which leaves each
-device the mean gradient of its own shard. Adam is elementwise, so each device updates only
-its shard. Replicated parameters get their gradients all-reduced, as in data parallelism.
+alive in between. Autodiff turns each all-gather into its transpose, a reduce-scatter, which
+leaves each device the summed gradient of its own shard (divided by N for the mean). Adam is
+elementwise, so each device updates only its shard. Replicated parameters get their
+gradients all-reduced, as in data parallelism.
 Collectives per step: all-gathers (forward and backward) and reduce-scatters of the large
 parameters, one all-reduce of the small ones.
 
@@ -31,7 +32,6 @@ import common
 
 import flax.linen as nn
 import numpy as np
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -81,40 +81,36 @@ def mesh_specs(tree):
     return jax.tree.map(spec, tree, is_leaf=is_sharded)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def all_gather(shard, axis):
-    return lax.all_gather(shard, "data", axis=axis, tiled=True)
-
-
-def all_gather_fwd(shard, axis):
-    return all_gather(shard, axis), None
-
-
-def all_gather_bwd(axis, _, grad):
-    # Each device has the gradient of the full parameter for its own rows. One reduce-scatter
-    # sums them over devices and leaves each device its shard; divide by N for the mean.
-    return (lax.psum_scatter(grad, "data", scatter_dimension=axis, tiled=True) / lax.axis_size("data"),)
-
-
-all_gather.defvjp(all_gather_fwd, all_gather_bwd)
-
-
 def gather_params(params):
     def gather(p):
-        full = all_gather(p.value, p.names.index("data")) if is_sharded(p) else p
-        return checkpoint_name(full, "gathered")
+        return lax.all_gather(p.value, "data", axis=p.names.index("data"), tiled=True) if is_sharded(p) else p
 
     return jax.tree.map(gather, params, is_leaf=is_sharded)
 
 
+def keep_all_but_gathered(primitive, *_, **__):
+    return primitive is not lax.all_gather_p
+
+
 def gather_before_use(piece):
-    """Let a piece of the model see full parameters, gathered just before it runs. The remat
-    policy drops the gathered copies after the forward pass and gathers them again for the
-    backward: kept alive, every piece's full weights would be on every device at once."""
+    """Let a piece of the model see full parameters, gathered just before it runs.
+
+    The remat policy keeps every intermediate for the backward pass except the gathered
+    parameters, which are gathered again: kept alive instead, every piece's full weights would
+    be on every device at once. (XLA's CPU compiler drops remat's optimization barriers early
+    and merges the two gathers; the GPU compiler keeps them until after scheduling.)
+    """
     piece = nn.map_variables(piece, "params", trans_in_fn=gather_params)
-    return nn.remat(
-        piece, policy=jax.checkpoint_policies.save_anything_except_these_names("gathered"), static_argnums=(2,)
-    )
+    return nn.remat(piece, policy=keep_all_but_gathered, static_argnums=(2,))
+
+
+def average(grad):
+    """The mean over devices of one gradient. A shard's gradient comes out of autodiff already
+    reduce-scattered, since that is the transpose of its all-gather, but summed: divide by N.
+    A replicated parameter's gradient needs the all-reduce of data parallelism."""
+    if is_sharded(grad):
+        return grad.replace(value=grad.value / lax.axis_size("data"))
+    return lax.pmean(grad, "data")
 
 
 def init_state(config, mesh):
@@ -136,9 +132,7 @@ def train_step(state, batch, microbatches):
     )
     local = state.replace(params=params)
     grads, metrics = common.accumulate_gradients(local, batch, rng, microbatches)
-    # Shards got their mean gradient from the reduce-scatter in all_gather's backward; the
-    # replicated parameters need the all-reduce of data parallelism.
-    grads = jax.tree.map(lambda g: g if is_sharded(g) else lax.pmean(g, "data"), grads, is_leaf=is_sharded)
+    grads = jax.tree.map(average, grads, is_leaf=is_sharded)
     metrics = lax.psum(metrics, "data")
     return state.apply_gradients(grads=grads), metrics
 

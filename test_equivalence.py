@@ -219,6 +219,44 @@ def test_fsdp_shards_parameters_and_optimizer_state():
     assert ALL in ops["all-gather"] and ALL in ops["reduce-scatter"]
 
 
+def primitive_count(jaxpr, name):
+    """How many times a primitive runs in a jaxpr, counting inside every nested jaxpr."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name == name
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                sub = getattr(sub, "jaxpr", sub)
+                if hasattr(sub, "eqns"):
+                    count += primitive_count(sub, name)
+    return count
+
+
+def test_fsdp_gathers_again_for_the_backward_pass():
+    """Each sharded weight is all-gathered for the forward pass and again for the backward,
+    rather than kept alive in between; embedding tables only once, since an embedding's
+    gradient does not need its table. Counted in the program JAX hands to XLA: XLA's CPU
+    compiler merges the two gathers (see fsdp.gather_before_use)."""
+    config = fsdp.Config(**SMALL)
+    mesh, state = fsdp.make_mesh(config), run("fsdp").state
+    spec = fsdp.mesh_specs(state)
+    step_fn = jax.jit(
+        jax.shard_map(
+            functools.partial(fsdp.train_step, microbatches=1),
+            mesh=mesh,
+            in_specs=(spec, fsdp.BATCH_SPEC),
+            out_specs=(spec, fsdp.P()),
+        )
+    )
+    batch = fsdp.device_batch(common.load_dataset(config).batch(0, 0, config.batch_size), mesh)
+    leaves = jax.tree_util.tree_leaves_with_path(state.params, is_leaf=fsdp.is_sharded)
+    sharded = [jax.tree_util.keystr(path) for path, p in leaves if fsdp.is_sharded(p)]
+    tables = [name for name in sharded if "embedding" in name]
+    assert len(sharded) >= 6 * SMALL["layers"] and tables
+    gathers = primitive_count(jax.make_jaxpr(step_fn)(state, batch).jaxpr, "all_gather")
+    assert gathers == 2 * len(sharded) - len(tables)
+
+
 def test_pjit_tp_splits_blocks_over_model():
     result = run("pjit_tp")
     shapes, d = shard_shapes(result), SMALL["d_model"]
