@@ -14,7 +14,7 @@ Collectives per step, by preset: dp, an all-reduce of the gradients; fsdp, all-g
 parameters and reduce-scatters of their gradients; tp, all-reduces over 'model' of each
 block's partial sums; fsdp_tp, both of the last two.
 
-"pjit" is the old name: jax.experimental.pjit was merged into jax.jit, which takes
+"pjit" is the old name: pjit, once in jax.experimental, was merged into jax.jit, which takes
 in_shardings and out_shardings directly.
 
 Run:

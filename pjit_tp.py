@@ -13,7 +13,7 @@ Collectives per step: per block, an all-reduce over 'model' of the partial sums 
 and after fc2 in the forward pass, and two matching ones in the backward pass; an all-reduce
 over 'data' of the gradients, as in data parallelism.
 
-"pjit" is the old name: jax.experimental.pjit was merged into jax.jit, which takes
+"pjit" is the old name: pjit, once in jax.experimental, was merged into jax.jit, which takes
 in_shardings and out_shardings directly.
 
 Run:
