@@ -60,7 +60,14 @@ class Config:
     data_dir: str | None = arg(None, "where datasets are stored (not used by 'synthetic')")
     log_every: int = arg(25, "print and record metrics every this many steps")
     metrics_file: str | None = arg(None, "write JSON Lines metrics here: logged steps, a summary")
-    cpu_devices: int = arg(8, "emulated CPU devices, used when no GPU or TPU is present")
+    cpu_devices: int = arg(8, "emulated CPU devices (per process), used when no GPU or TPU is present")
+    coordinator_address: str | None = arg(
+        None, "several processes: host:port of process 0, e.g. 10.0.0.1:1234 (all processes give the same)"
+    )
+    num_processes: int = arg(1, "several processes: how many, with --coordinator-address")
+    process_id: int = arg(0, "several processes: this one's index, 0 to --num-processes - 1")
+    distributed: bool = arg(False, "start JAX's distributed runtime and let it find the cluster (TPU pod, SLURM)")
+    heartbeat_timeout: int = arg(60, "several processes: seconds of silence before a process counts as dead")
 
     def batch_shards(self) -> int:
         """How many ways the global batch is split; scripts with a mesh override this."""
@@ -89,6 +96,11 @@ class Config:
             "batch_size",
             f"must be divisible by {self.batch_shards()} batch shards x {self.microbatches} "
             f"micro-batches, e.g. --batch-size {max(1, self.batch_size // shards) * shards}",
+        )
+        require(
+            (self.num_processes, self.process_id) == (1, 0) or self.coordinator_address or self.distributed,
+            "num_processes",
+            "and --process-id need --coordinator-address host:port of process 0",
         )
         if self.metrics_file:
             folder = os.path.dirname(os.path.abspath(self.metrics_file))
@@ -165,12 +177,44 @@ def setup(config: Config):
         # are used unchanged. It must run before JAX starts a backend.
         jax.config.update("jax_num_cpu_devices", config.cpu_devices)
     except RuntimeError:  # JAX already started in this process (tests call main() repeatedly)
-        if jax.default_backend() == "cpu" and jax.device_count() != config.cpu_devices:
+        if jax.default_backend() == "cpu" and jax.local_device_count() != config.cpu_devices:
             raise ConfigError(
                 f"--cpu-devices {config.cpu_devices}: this process already started JAX with "
-                f"{jax.device_count()} CPU devices"
+                f"{jax.local_device_count()} CPU devices"
             ) from None
+    if (config.coordinator_address or config.distributed) and not jax.distributed.is_initialized():
+        _start_distributed(config)
     config.validate()
+
+
+def _start_distributed(config: Config):
+    """Join the other processes. Every process runs the same program on its own devices; jit,
+    shard_map and pmap collectives then span all of them."""
+    if config.distributed:  # JAX reads the cluster from its environment (Cloud TPU, SLURM, ...)
+        require(not config.coordinator_address, "distributed", "and --coordinator-address exclude each other")
+        address, processes, process_id = None, None, None
+    else:
+        host, _, port = config.coordinator_address.rpartition(":")
+        require(host and port.isdigit(), "coordinator_address", "must be host:port, e.g. 10.0.0.1:1234")
+        require(config.num_processes > 0, "num_processes", "must be positive")
+        require(
+            0 <= config.process_id < config.num_processes, "process_id", f"must be in 0..{config.num_processes - 1}"
+        )
+        address, processes, process_id = config.coordinator_address, config.num_processes, config.process_id
+    require(config.heartbeat_timeout > 0, "heartbeat_timeout", "must be positive")
+    # CPU processes exchange collectives through gloo (TCP); GPUs and TPUs use their own links.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        address,
+        processes,
+        process_id,
+        initialization_timeout=config.heartbeat_timeout,
+        # If a process dies, the runtime stops the others once its heartbeats are missing for
+        # this long (or at once if it was process 0); a process that exits on an error waits
+        # at most this long for the others at shutdown. Either way, no process hangs.
+        heartbeat_timeout_seconds=config.heartbeat_timeout,
+        shutdown_timeout_seconds=config.heartbeat_timeout,
+    )
 
 
 def is_main_process() -> bool:
@@ -404,11 +448,16 @@ def load_dataset(config: Config) -> SyntheticData:
     return SyntheticData(config.seed, config.seq_len)
 
 
+def process_rows(batch_size: int, process: int, processes: int) -> range:
+    """The rows of the global batch that one process builds: an equal contiguous share."""
+    rows = batch_size // processes
+    return range(process * rows, (process + 1) * rows)
+
+
 def host_batch(dataset, config: Config, step: int) -> np.ndarray:
-    """This process's contiguous share of step `step`'s global batch."""
-    rows = config.batch_size // jax.process_count()
-    start = jax.process_index() * rows
-    return dataset.batch(step, start, start + rows)
+    """This process's share of step `step`'s global batch; no process builds the whole batch."""
+    rows = process_rows(config.batch_size, jax.process_index(), jax.process_count())
+    return dataset.batch(step, rows.start, rows.stop)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -494,8 +543,9 @@ def accumulate_gradients(state: TrainState, batch, rng, microbatches: int):
 
 
 def compile_step(step_fn, *args):
-    """Compile ahead of time: the compile time is measured apart from the steps, and the
-    compiled step can be inspected (its HLO shows the collectives the strategy produced)."""
+    """Compile ahead of time, so the compile time is measured apart from the steps and the
+    compiled step can be inspected (its HLO shows the collectives the strategy produced).
+    Calling step_fn afterwards reuses this compilation."""
     start = time.perf_counter()
     compiled = step_fn.lower(*args).compile()
     return compiled, time.perf_counter() - start

@@ -18,6 +18,7 @@ parameters, one all-reduce of the small ones.
 Run:
   python fsdp.py                         # a laptop: 8 emulated CPU devices
   python fsdp.py --steps 2000            # a GPU or TPU host: all of its devices
+  python fsdp.py --distributed           # every host of a TPU pod slice (README)
 
 Read before: shardmap_dp.py. Read next: pjit_tp.py, where the compiler writes the collectives.
 """
@@ -163,7 +164,7 @@ def main(config):
     log = common.Logger(config, dataset, layout, compile_seconds)
     for step in range(config.steps):
         batch = device_batch(common.host_batch(dataset, config, step), mesh)
-        state, metrics = compiled(state, batch)
+        state, metrics = step_fn(state, batch)
         log.log(step, metrics)
     return log.finish(state, compiled)
 

@@ -20,6 +20,7 @@ in_shardings and out_shardings directly.
 Run:
   python logical_pjit.py --rules fsdp_tp     # a laptop: 8 emulated CPU devices
   python logical_pjit.py --rules fsdp --mesh data=8,model=1 --steps 2000   # a GPU/TPU host
+  python logical_pjit.py --distributed    # every host of a TPU pod slice (README)
 
 Read before: pjit_tp.py. Read next: MaxText, which scales this layout to real models.
 """
@@ -133,7 +134,7 @@ def main(config):
     log = common.Logger(config, dataset, layout, compile_seconds)
     for step in range(config.steps):
         batch = device_batch(common.host_batch(dataset, config, step), mesh, rules)
-        state, metrics = compiled(state, batch)
+        state, metrics = step_fn(state, batch)
         log.log(step, metrics)
     return log.finish(state, compiled)
 

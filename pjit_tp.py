@@ -19,6 +19,7 @@ in_shardings and out_shardings directly.
 Run:
   python pjit_tp.py                      # a laptop: 8 emulated CPU devices, data=2,model=4
   python pjit_tp.py --mesh data=1,model=8 --steps 2000   # a GPU or TPU host
+  python pjit_tp.py --distributed         # every host of a TPU pod slice (README)
 
 Read before: fsdp.py. Read next: logical_pjit.py, which states the same layout as rules.
 """
@@ -113,7 +114,7 @@ def main(config):
     log = common.Logger(config, dataset, layout, compile_seconds)
     for step in range(config.steps):
         batch = device_batch(common.host_batch(dataset, config, step), mesh)
-        state, metrics = compiled(state, batch)
+        state, metrics = step_fn(state, batch)
         log.log(step, metrics)
     return log.finish(state, compiled)
 

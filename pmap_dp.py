@@ -16,6 +16,7 @@ script rewritten that way; diff the two.
 Run:
   python pmap_dp.py                      # a laptop: 8 emulated CPU devices
   python pmap_dp.py --steps 2000         # a GPU or TPU host: all of its devices
+  python pmap_dp.py --distributed        # every host of a TPU pod slice (README)
 
 Read before: nothing, start here. Read next: shardmap_dp.py.
 """
@@ -39,7 +40,9 @@ class Config(common.Config):
 
 def init_state(config):
     create = functools.partial(common.create_state, config, common.GPT(config))
-    return jax_utils.replicate(jax.jit(create)())  # one copy per local device, stacked
+    # One copy per local device, stacked. The stack's axis is named like pmap's so the state
+    # pmap returns is laid out the same way, and the step is compiled once, not twice.
+    return jax_utils.replicate(jax.jit(create)(), axis_name="data")
 
 
 def train_step(state, batch, microbatches):
@@ -72,7 +75,7 @@ def main(config):
     log = common.Logger(config, dataset, layout, compile_seconds)
     for step in range(config.steps):
         batch = device_batch(common.host_batch(dataset, config, step))
-        state, metrics = compiled(state, batch)
+        state, metrics = step_fn(state, batch)
         log.log(step, metrics)
     return log.finish(state, compiled)
 

@@ -14,6 +14,7 @@ everything returned as replicated really is the same on every device.
 Run:
   python shardmap_dp.py                  # a laptop: 8 emulated CPU devices
   python shardmap_dp.py --steps 2000     # a GPU or TPU host: all of its devices
+  python shardmap_dp.py --distributed    # every host of a TPU pod slice (README)
 
 Read before: pmap_dp.py. Read next: fsdp.py, which shards what this script replicates.
 """
@@ -88,7 +89,7 @@ def main(config):
     log = common.Logger(config, dataset, layout, compile_seconds)
     for step in range(config.steps):
         batch = device_batch(common.host_batch(dataset, config, step), mesh)
-        state, metrics = compiled(state, batch)
+        state, metrics = step_fn(state, batch)
         log.log(step, metrics)
     return log.finish(state, compiled)
 

@@ -8,13 +8,18 @@ really split the way the script says. The command line is exercised from a folde
 only the script and common.py.
 """
 
+import contextlib
 import functools
 import json
 import math
+import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import flax.linen as nn
@@ -310,6 +315,15 @@ def test_batches_depend_only_on_seed_and_step():
     assert whole.dtype == np.int32 and whole.shape == (8, 17)
 
 
+def test_process_slices_are_disjoint_and_cover_the_batch():
+    data, batch_size = common.SyntheticData(seed=0, seq_len=8), 16
+    for processes in (1, 2, 4, 8):
+        rows = [common.process_rows(batch_size, p, processes) for p in range(processes)]
+        assert sorted(r for part in rows for r in part) == list(range(batch_size))
+        slices = [data.batch(5, part.start, part.stop) for part in rows]
+        assert (np.concatenate(slices) == data.batch(5, 0, batch_size)).all()
+
+
 def test_loss_floor_is_the_sampled_entropy_rate():
     data = common.SyntheticData(seed=0, seq_len=256)
     tokens = data.batch(0, 0, 64)
@@ -360,3 +374,86 @@ def test_help_lists_every_flag(tmp_path):
     assert done.returncode == 0
     for field in logical_pjit.Config.__dataclass_fields__:
         assert "--" + field.replace("_", "-") in done.stdout
+
+
+# ----------------------------------------------------------------------------------------------
+# Several processes on this machine, joined by JAX's distributed runtime (gloo on CPU)
+# ----------------------------------------------------------------------------------------------
+
+PROCESSES = 2
+
+
+def as_flags(settings):
+    return [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()]
+
+
+@contextlib.contextmanager
+def cluster(script, tmp_path, flags, heartbeat=30):
+    """Start PROCESSES copies of a script, each with DEVICES / PROCESSES CPU devices; kill any
+    still running on the way out, whatever happened."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    try:
+        for i in range(PROCESSES):
+            log = open(tmp_path / f"process{i}.log", "w")
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, f"{script}.py", *flags, f"--cpu-devices={DEVICES // PROCESSES}",
+                     f"--coordinator-address=127.0.0.1:{port}", f"--num-processes={PROCESSES}",
+                     f"--process-id={i}", f"--heartbeat-timeout={heartbeat}"],
+                    cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                )
+            )  # fmt: skip
+            log.close()
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+MULTI = {"pmap_dp": "pmap_dp", "shardmap_dp": "shardmap_dp", "fsdp": "fsdp", "pjit_tp": "pjit_tp"}
+MULTI["logical_pjit"] = "logical_fsdp_tp"
+
+
+@pytest.mark.parametrize("script", MULTI)
+def test_two_processes_match_one(script, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    flags = as_flags({**SMALL, "log_every": 1, "metrics_file": metrics})
+    with cluster(script, tmp_path, flags) as procs:
+        codes = [proc.wait(timeout=600) for proc in procs]
+    logs = [(tmp_path / f"process{i}.log").read_text() for i in range(PROCESSES)]
+    assert codes == [0] * PROCESSES, logs
+    assert "step 20/20" in logs[0] and "step " not in logs[1]  # only process 0 reports
+    assert f"in {PROCESSES} process(es)" in logs[0]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()][:-1]
+    one_process = run(MULTI[script]).losses
+    diff = max(abs(r["loss"] - ref) / ref for r, ref in zip(records, one_process, strict=True))
+    print(f"\n{script}: 2 processes x 4 devices vs 1 x 8: loss {diff:.1e}")
+    assert diff <= RTOL
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["worker dies", "coordinator dies"])
+def test_a_dead_process_stops_the_others(victim, tmp_path):
+    heartbeat = 10
+    metrics = tmp_path / "metrics.jsonl"
+    flags = as_flags({**SMALL, "steps": 100_000, "log_every": 1, "metrics_file": metrics})
+    with cluster("shardmap_dp", tmp_path, flags, heartbeat) as procs:
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # training runs
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.5)
+        procs[victim].kill()
+        start = time.monotonic()
+        survivor = procs[1 - victim]
+        code = survivor.wait(timeout=heartbeat + 60)
+        waited = time.monotonic() - start
+    log = (tmp_path / f"process{1 - victim}.log").read_text()
+    print(f"\nprocess {victim} killed: process {1 - victim} exited {code} after {waited:.1f}s")
+    assert code != 0
+    assert waited < heartbeat + 20
+    if victim == 1:  # the runtime names the process that stopped
+        assert re.search(r"stopped sending heartbeats\):\s*1\b", log), log[-2000:]
