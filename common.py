@@ -56,8 +56,12 @@ class Config:
     dtype: str = arg("float32", "compute dtype; parameters stay float32", choices=("float32", "bfloat16"))
     microbatches: int = arg(1, "gradient accumulation: sequential micro-batches per step")
     scan_layers: bool = arg(False, "run the blocks with nn.scan: one compiled block, not --layers")
-    dataset: str = arg("synthetic", "'synthetic': an embedded Markov source, no download")
-    data_dir: str | None = arg(None, "where datasets are stored (not used by 'synthetic')")
+    dataset: str = arg("synthetic", "'synthetic' (embedded, no download) or a TFDS text dataset, e.g. tiny_shakespeare")
+    data_dir: str | None = arg(None, "where TFDS datasets are stored (default: TFDS's, ~/tensorflow_datasets)")
+    text_key: str = arg("text", "the TFDS dataset's text feature, e.g. text for tiny_shakespeare and lm1b")
+    tfds_manual_dir: str | None = arg(None, "already downloaded source files for preparing a TFDS dataset offline")
+    eval_every: int = arg(100, "evaluate on held-out batches every this many steps (0: never)")
+    eval_batches: int = arg(8, "held-out batches per evaluation, the same ones every time")
     log_every: int = arg(25, "print and record metrics every this many steps")
     metrics_file: str | None = arg(None, "write JSON Lines metrics here: logged steps, a summary")
     cpu_devices: int = arg(8, "emulated CPU devices (per process), used when no GPU or TPU is present")
@@ -78,13 +82,13 @@ class Config:
         positive = ("steps", "batch_size", "seq_len", "layers", "d_model", "heads", "microbatches", "log_every")
         for name in positive:
             require(getattr(self, name) > 0, name, "must be positive")
-        for name in ("warmup_steps", "seed"):
+        for name in ("warmup_steps", "seed", "eval_every"):
             require(getattr(self, name) >= 0, name, "must be zero or more")
+        require(self.eval_batches > 0, "eval_batches", "must be positive")
         require(self.lr > 0, "lr", "must be positive, e.g. --lr 3e-3")
         require(0 <= self.dropout < 1, "dropout", "must be in [0, 1)")
         require(self.weight_decay >= 0, "weight_decay", "must be non-negative")
         require(self.dtype in ("float32", "bfloat16"), "dtype", "must be float32 or bfloat16")
-        require(self.dataset == "synthetic", "dataset", "is unknown; use --dataset synthetic")
         require(
             self.d_model % self.heads == 0,
             "heads",
@@ -185,6 +189,7 @@ def setup(config: Config):
     if (config.coordinator_address or config.distributed) and not jax.distributed.is_initialized():
         _start_distributed(config)
     config.validate()
+    load_dataset(config)  # a dataset that cannot be read is bad input too
 
 
 def _start_distributed(config: Config):
@@ -395,6 +400,9 @@ def param_count(config: Config) -> int:
 # ----------------------------------------------------------------------------------------------
 
 
+SPLITS = {"train": 0, "eval": 1}  # each split draws from its own random streams
+
+
 class SyntheticData:
     """A sparse random Markov chain over VOCAB_SIZE tokens, fixed by its own seed.
 
@@ -429,11 +437,14 @@ class SyntheticData:
     def describe(self) -> str:
         return f"synthetic Markov source, loss floor {self.loss_floor:.4f} (its entropy rate)"
 
-    def batch(self, step: int, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) of step `step`'s global batch: int32 [rows, seq_len + 1]."""
-        # One generator per (seed, step, row): any slice of the batch can be made on its own.
+    def batch(self, step: int, start: int, stop: int, split: str = "train") -> np.ndarray:
+        """Rows [start, stop) of batch `step` of a split ('train' or 'eval'): int32 [rows, seq_len + 1]."""
+        # One generator per (seed, split, step, row): any slice of a batch can be made on its own.
         uniforms = np.stack(
-            [np.random.default_rng((self.seed, step, row)).random(self.seq_len + 1) for row in range(start, stop)]
+            [
+                np.random.default_rng((self.seed, SPLITS[split], step, row)).random(self.seq_len + 1)
+                for row in range(start, stop)
+            ]
         )
         tokens = np.empty(uniforms.shape, np.int32)
         tokens[:, 0] = np.minimum(np.searchsorted(self.stationary, uniforms[:, 0]), VOCAB_SIZE - 1)
@@ -444,8 +455,118 @@ class SyntheticData:
         return tokens
 
 
-def load_dataset(config: Config) -> SyntheticData:
-    return SyntheticData(config.seed, config.seq_len)
+class TextData:
+    """A TFDS dataset's text feature, read as raw bytes: vocabulary 256, nothing to download.
+
+    Read through tfds.data_source (array_record files, random access, no TensorFlow). Each row
+    of a batch is a window of seq_len + 1 bytes at a place drawn from (seed, split, step, row),
+    so a run is reproducible, a resumed run sees the same data and each process reads only
+    its own rows. Records shorter than a window continue into the next ones, after a newline.
+    """
+
+    loss_floor = None  # unknown for real text
+
+    def __init__(self, config: Config, builder):
+        import tensorflow_datasets as tfds
+
+        self.seed, self.seq_len, self.key, self.cache = config.seed, config.seq_len, config.text_key, {}
+        eval_split = "validation" if "validation" in builder.info.splits else "test"
+        self.splits = {"train": "train", "eval": eval_split}
+        self.sources = {
+            split: tfds.data_source(config.dataset, split=name, data_dir=config.data_dir, download=False)
+            for split, name in self.splits.items()
+        }
+        self.describe_text = f"TFDS {builder.info.full_name} '{self.key}' as bytes, held out: '{eval_split}'"
+
+    def describe(self) -> str:
+        return self.describe_text
+
+    def text(self, split: str, record: int) -> bytes:
+        if (split, record) not in self.cache:
+            if len(self.cache) > 256:
+                self.cache.clear()
+            self.cache[split, record] = self.sources[split][record][self.key]
+        return self.cache[split, record]
+
+    def batch(self, step: int, start: int, stop: int, split: str = "train") -> np.ndarray:
+        """Rows [start, stop) of batch `step` of a split ('train' or 'eval'): int32 [rows, seq_len + 1]."""
+        rows = []
+        for row in range(start, stop):
+            rng = np.random.default_rng((self.seed, SPLITS[split], step, row))
+            record = int(rng.integers(len(self.sources[split])))
+            text = self.text(split, record)
+            offset = int(rng.integers(max(1, len(text) - self.seq_len)))
+            window = text[offset : offset + self.seq_len + 1]
+            while len(window) < self.seq_len + 1:
+                record = (record + 1) % len(self.sources[split])
+                window += b"\n" + self.text(split, record)
+            rows.append(np.frombuffer(window[: self.seq_len + 1], np.uint8))
+        return np.stack(rows).astype(np.int32)
+
+
+def _tfds_builder(config: Config):
+    """The TFDS builder of --dataset, prepared (downloaded and converted) on first use."""
+    import tensorflow_datasets as tfds
+    from tensorflow_datasets.core.download import downloader as tfds_downloader
+
+    try:
+        builder = tfds.builder(config.dataset, data_dir=config.data_dir, file_format="array_record")
+    except tfds.core.registered.DatasetNotFoundError:
+        where = f" nor prepared in --data-dir {config.data_dir}" if config.data_dir else ""
+        raise ConfigError(
+            f"--dataset {config.dataset} is neither 'synthetic' nor a TFDS dataset{where}; "
+            "e.g. --dataset tiny_shakespeare"
+        ) from None
+    if not builder.is_prepared():
+        how = (
+            "prepare it where the internet is reachable (run this command there once, with the same "
+            "--data-dir) or pass the downloaded files with --tfds-manual-dir (for tiny_shakespeare: "
+            "a folder holding input.txt)"
+        )
+        if is_main_process():
+            print(f"preparing TFDS {config.dataset} in {builder.data_dir} (first use only)", flush=True)
+        # TFDS retries a failed download 10 times with growing pauses: 3.5 minutes before an
+        # offline machine hears it has no internet. Three tries still ride out a hiccup.
+        tfds_downloader.MAX_RETRIES = 3
+        try:
+            _hide_gpus_from_tensorflow()
+            builder.download_and_prepare(
+                download_config=tfds.download.DownloadConfig(manual_dir=config.tfds_manual_dir)
+            )
+        except Exception as error:  # no network, no TensorFlow, a bad manual file, ...
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+            raise ConfigError(
+                f"--dataset {config.dataset} is not prepared and preparing it failed ({reason}); {how}"
+            ) from None
+    if builder.info.file_format.value != "array_record":
+        raise ConfigError(
+            f"--dataset {config.dataset} is prepared as {builder.info.file_format.value} in {builder.data_dir}; "
+            "random access needs array_record: prepare it again in another --data-dir"
+        )
+    features = builder.info.features
+    require(
+        config.text_key in features and isinstance(features[config.text_key], tfds.features.Text),
+        "text_key",
+        f"{config.text_key} is not a text feature of {config.dataset}; it has {', '.join(features)}",
+    )
+    require("train" in builder.info.splits, "dataset", f"{config.dataset} has no train split")
+    return builder
+
+
+def _hide_gpus_from_tensorflow():
+    # Preparing some catalogue datasets imports TensorFlow, which must leave the GPUs to JAX.
+    try:
+        import tensorflow as tf
+    except ImportError:
+        raise RuntimeError("preparing it needs TensorFlow: pip install tensorflow-cpu") from None
+    tf.config.set_visible_devices([], "GPU")
+
+
+@functools.cache  # one dataset per config: setup() opens it to check it, main() reads it
+def load_dataset(config: Config):
+    if config.dataset == "synthetic":
+        return SyntheticData(config.seed, config.seq_len)
+    return TextData(config, _tfds_builder(config))
 
 
 def process_rows(batch_size: int, process: int, processes: int) -> range:
@@ -454,10 +575,15 @@ def process_rows(batch_size: int, process: int, processes: int) -> range:
     return range(process * rows, (process + 1) * rows)
 
 
-def host_batch(dataset, config: Config, step: int) -> np.ndarray:
-    """This process's share of step `step`'s global batch; no process builds the whole batch."""
+def host_batch(dataset, config: Config, step: int, split: str = "train") -> np.ndarray:
+    """This process's share of a global batch; no process builds the whole batch."""
     rows = process_rows(config.batch_size, jax.process_index(), jax.process_count())
-    return dataset.batch(step, rows.start, rows.stop)
+    return dataset.batch(step, rows.start, rows.stop, split)
+
+
+def eval_batches(dataset, config: Config) -> list:
+    """This process's share of the held-out batches: the same ones at every evaluation."""
+    return [host_batch(dataset, config, i, "eval") for i in range(config.eval_batches)]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -505,11 +631,27 @@ def create_state(config: Config, model: GPT, params_fn: Callable = nn.unbox) -> 
     )
 
 
+def token_losses(params, apply_fn, tokens, rng=None):
+    """Next-token cross-entropy at every position; dropout only when given a key."""
+    rngs = None if rng is None else {"dropout": rng}
+    logits = apply_fn({"params": params}, tokens[:, :-1], deterministic=rng is None, rngs=rngs)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+
+
+def summed(losses):
+    # (sum, count) rather than a mean, so that metrics add up across devices and micro-batches.
+    return {"loss_sum": losses.sum(), "tokens": jnp.int32(losses.size)}
+
+
 def loss_fn(params, apply_fn, tokens, rng):
-    """Mean next-token cross-entropy; metrics are (sum, count) so they add across devices."""
-    logits = apply_fn({"params": params}, tokens[:, :-1], deterministic=False, rngs={"dropout": rng})
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
-    return losses.mean(), {"loss_sum": losses.sum(), "tokens": jnp.int32(losses.size)}
+    """Mean next-token cross-entropy, and its metrics."""
+    losses = token_losses(params, apply_fn, tokens, rng)
+    return losses.mean(), summed(losses)
+
+
+def eval_metrics(state: TrainState, tokens):
+    """Summed held-out losses of a batch: no dropout, no gradient."""
+    return summed(token_losses(state.params, state.apply_fn, tokens))
 
 
 def accumulate_gradients(state: TrainState, batch, rng, microbatches: int):
@@ -571,7 +713,7 @@ class Logger:
     def __init__(self, config: Config, dataset, layout: str, compile_seconds: float):
         self.config, self.dataset, self.compile_seconds = config, dataset, compile_seconds
         self.tokens_per_step = config.batch_size * config.seq_len
-        self.losses, self.pending, self.step_seconds = [], [], []
+        self.losses, self.pending, self.step_seconds, self.eval_loss = [], [], [], None
         self.file = open(config.metrics_file, "w") if config.metrics_file and is_main_process() else None
         devices = jax.devices()
         self.info = {
@@ -619,6 +761,21 @@ class Logger:
         )
         self.write(record)
 
+    def eval_due(self, step: int) -> bool:
+        return bool(self.config.eval_every) and (step + 1) % self.config.eval_every == 0
+
+    def eval(self, step: int, eval_fn, state, batches):
+        """Evaluate on the held-out batches and log their mean loss. The time it takes (the
+        first time, compilation too) is left out of the training speed."""
+        for metrics in self.pending:  # let the steps before it finish first
+            _fetch(metrics["loss_sum"])
+        start = time.perf_counter()
+        fetched = [(_fetch(m["loss_sum"]), _fetch(m["tokens"])) for m in (eval_fn(state, b) for b in batches)]
+        self.eval_loss = sum(loss for loss, _ in fetched) / sum(tokens for _, tokens in fetched)
+        self.last_time += time.perf_counter() - start
+        self.print(f"eval at step {step + 1}: held-out loss {self.eval_loss:.4f}")
+        self.write({"step": step + 1, "eval_loss": self.eval_loss})
+
     def write(self, record):
         if self.file:
             self.file.write(json.dumps(record) + "\n")
@@ -631,6 +788,7 @@ class Logger:
             **self.info,
             "steps": len(self.losses),
             "final_loss": self.losses[-1],
+            "eval_loss": self.eval_loss,
             "loss_floor": getattr(self.dataset, "loss_floor", None),
             "tokens_per_sec": self.tokens_per_step / step_seconds,
             "step_seconds": step_seconds,

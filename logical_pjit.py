@@ -104,6 +104,11 @@ def train_step(state, batch, microbatches):
     return state.apply_gradients(grads=grads), metrics
 
 
+def eval_step(state, batch):
+    """Summed held-out losses of the batch: jit partitions it like the train step."""
+    return common.eval_metrics(state, batch)
+
+
 def batch_sharding(mesh, rules):
     return NamedSharding(mesh, nn.logical_to_mesh_axes(("batch", None), rules))
 
@@ -126,6 +131,12 @@ def main(config):
         out_shardings=(state_sharding, NamedSharding(mesh, P())),
         donate_argnums=0,
     )
+    eval_fn = jax.jit(
+        eval_step,
+        in_shardings=(state_sharding, batch_sharding(mesh, rules)),
+        out_shardings=NamedSharding(mesh, P()),
+    )
+    eval_data = [device_batch(b, mesh, rules) for b in common.eval_batches(dataset, config)]
     first_batch = device_batch(common.host_batch(dataset, config, 0), mesh, rules)
     # The activations' logical constraints resolve against these rules and mesh while tracing.
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
@@ -136,6 +147,9 @@ def main(config):
         batch = device_batch(common.host_batch(dataset, config, step), mesh, rules)
         state, metrics = step_fn(state, batch)
         log.log(step, metrics)
+        if log.eval_due(step):
+            with jax.set_mesh(mesh), nn.logical_axis_rules(rules):  # traced here the first time
+                log.eval(step, eval_fn, state, eval_data)
     return log.finish(state, compiled)
 
 

@@ -91,6 +91,11 @@ def train_step(state, batch, microbatches):
     return state.apply_gradients(grads=grads), metrics
 
 
+def eval_step(state, batch):
+    """Summed held-out losses of the batch: jit partitions it like the train step."""
+    return common.eval_metrics(state, batch)
+
+
 def device_batch(batch, mesh):
     # This process's rows become one global array, split over 'data'.
     return jax.make_array_from_process_local_data(NamedSharding(mesh, BATCH_SPEC), batch)
@@ -108,6 +113,12 @@ def main(config):
         out_shardings=(state_sharding, NamedSharding(mesh, P())),
         donate_argnums=0,
     )
+    eval_fn = jax.jit(
+        eval_step,
+        in_shardings=(state_sharding, NamedSharding(mesh, BATCH_SPEC)),
+        out_shardings=NamedSharding(mesh, P()),
+    )
+    eval_data = [device_batch(b, mesh) for b in common.eval_batches(dataset, config)]
     first_batch = device_batch(common.host_batch(dataset, config, 0), mesh)
     compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
     layout = f"mesh data={mesh.shape['data']},model={mesh.shape['model']}, Megatron tensor parallel"
@@ -116,6 +127,8 @@ def main(config):
         batch = device_batch(common.host_batch(dataset, config, step), mesh)
         state, metrics = step_fn(state, batch)
         log.log(step, metrics)
+        if log.eval_due(step):
+            log.eval(step, eval_fn, state, eval_data)
     return log.finish(state, compiled)
 
 

@@ -55,6 +55,11 @@ def train_step(state, batch, microbatches):
     return state.apply_gradients(grads=grads), metrics
 
 
+def eval_step(state, batch):
+    """Summed held-out losses of one device's rows, added up over all devices."""
+    return lax.psum(common.eval_metrics(state, batch), "data")
+
+
 def device_batch(batch):
     # [rows, ...] -> [local devices, rows per device, ...]: pmap sends slice i to device i.
     return common_utils.shard(batch)
@@ -69,6 +74,8 @@ def main(config):
         axis_name="data",
         donate_argnums=0,
     )
+    eval_fn = jax.pmap(eval_step, axis_name="data")
+    eval_data = [device_batch(b) for b in common.eval_batches(dataset, config)]
     first_batch = device_batch(common.host_batch(dataset, config, 0))
     compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
     layout = f"pmap over {jax.local_device_count()} local devices, state replicated"
@@ -77,6 +84,8 @@ def main(config):
         batch = device_batch(common.host_batch(dataset, config, step))
         state, metrics = step_fn(state, batch)
         log.log(step, metrics)
+        if log.eval_due(step):
+            log.eval(step, eval_fn, state, eval_data)
     return log.finish(state, compiled)
 
 

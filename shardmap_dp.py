@@ -64,6 +64,11 @@ def train_step(state, batch, microbatches):
     return state.apply_gradients(grads=grads), metrics
 
 
+def eval_step(state, batch):
+    """Summed held-out losses of one device's rows, added up over all devices."""
+    return lax.psum(common.eval_metrics(state, batch), "data")
+
+
 def device_batch(batch, mesh):
     # This process's rows become one global array, split over 'data'.
     return jax.make_array_from_process_local_data(NamedSharding(mesh, BATCH_SPEC), batch)
@@ -83,6 +88,8 @@ def main(config):
         ),
         donate_argnums=0,
     )
+    eval_fn = jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(STATE_SPEC, BATCH_SPEC), out_specs=P()))
+    eval_data = [device_batch(b, mesh) for b in common.eval_batches(dataset, config)]
     first_batch = device_batch(common.host_batch(dataset, config, 0), mesh)
     compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
     layout = f"mesh data={mesh.shape['data']}, state replicated"
@@ -91,6 +98,8 @@ def main(config):
         batch = device_batch(common.host_batch(dataset, config, step), mesh)
         state, metrics = step_fn(state, batch)
         log.log(step, metrics)
+        if log.eval_due(step):
+            log.eval(step, eval_fn, state, eval_data)
     return log.finish(state, compiled)
 
 

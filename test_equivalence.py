@@ -27,6 +27,8 @@ import jax
 import numpy as np
 import pytest
 
+import tensorflow_datasets as tfds
+
 import common
 import fsdp
 import logical_pjit
@@ -42,9 +44,17 @@ SMALL = dict(
 )  # fmt: skip
 RTOL = 1e-5  # DESIGN.md: per-step losses and final parameters within 1e-5, relative
 
-SCRIPTS = {"pmap_dp": pmap_dp, "shardmap_dp": shardmap_dp, "fsdp": fsdp, "pjit_tp": pjit_tp}
-STRATEGIES = {name: (module, {}) for name, module in SCRIPTS.items()}
+SCRIPTS = {
+    "pmap_dp": pmap_dp,
+    "shardmap_dp": shardmap_dp,
+    "fsdp": fsdp,
+    "pjit_tp": pjit_tp,
+    "logical_pjit": logical_pjit,
+}
+STRATEGIES = {name: (module, {}) for name, module in SCRIPTS.items() if name != "logical_pjit"}
 STRATEGIES.update({f"logical_{rules}": (logical_pjit, {"rules": rules}) for rules in logical_pjit.RULES})
+# Each script with its default flags, as a strategy name: logical_pjit.py defaults to fsdp_tp.
+DEFAULTS = {name: name for name in SCRIPTS} | {"logical_pjit": "logical_fsdp_tp"}
 
 
 @functools.cache
@@ -106,19 +116,19 @@ def test_matches_single_device_reference(name):
     assert run(name).losses[-1] < run(name).losses[0] - 1  # and it learned something
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("name", DEFAULTS.values())
 def test_microbatches_match(name):
     result = run(name, microbatches=4, batch_size=32)
     compare(f"{name} --microbatches 4", result, *reference(batch_size=32))
 
 
-@pytest.mark.parametrize("name", ["pmap_dp", "shardmap_dp", "fsdp", "pjit_tp", "logical_fsdp_tp"])
+@pytest.mark.parametrize("name", ["fsdp", "pjit_tp", "logical_fsdp_tp"])  # the scripts that handle scanning
 def test_scanned_layers_match(name):
     result = run(name, scan_layers=True)
     compare(f"{name} --scan-layers", result, reference()[0], reference(scan_layers=True)[1])
 
 
-@pytest.mark.parametrize("name", SCRIPTS)
+@pytest.mark.parametrize("name", DEFAULTS.values())
 def test_dropout_training_learns(name):
     losses = run(name, dropout=0.1, steps=80).losses
     print(f"\n{name} --dropout 0.1: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
@@ -336,31 +346,116 @@ def test_loss_floor_is_the_sampled_entropy_rate():
 
 
 # ----------------------------------------------------------------------------------------------
+# TFDS datasets, built here: nothing can be downloaded in CI
+# ----------------------------------------------------------------------------------------------
+
+
+def words(seed, count):
+    """Seeded pseudo-English: the bytes of any window say where in the text it came from."""
+    vocabulary = "the of and to in a that is was he for it with as his on be at by had not are but from".split()
+    rng = np.random.default_rng(seed)
+    return " ".join(vocabulary[i] + str(rng.integers(10)) for i in rng.integers(len(vocabulary), size=count))
+
+
+TEXTS = {"train": words(0, 12_000), "validation": words(1, 1_000), "test": words(2, 1_000)}
+
+
+class TinyText(tfds.core.GeneratorBasedBuilder):
+    """tiny_shakespeare's features and splits: one long `text` per split."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    def _info(self):
+        return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
+
+    def _split_generators(self, dl_manager):
+        return {split: self._generate_examples(text) for split, text in TEXTS.items()}
+
+    def _generate_examples(self, text):
+        yield 0, {"text": text}
+
+
+@pytest.fixture(scope="session")
+def text_data_dir(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("tfds")
+    TinyText(data_dir=data_dir, file_format="array_record").download_and_prepare()
+    return str(data_dir)
+
+
+def test_text_batches_are_windows_of_the_text(text_data_dir):
+    config = common.Config(**{**SMALL, "dataset": "tiny_text", "data_dir": text_data_dir})
+    data = common.load_dataset(config)
+    batch = data.batch(3, 0, config.batch_size)
+    assert batch.shape == (16, 33) and batch.dtype == np.int32
+    for split, text in (("train", TEXTS["train"]), ("eval", TEXTS["validation"])):
+        for row in data.batch(3, 0, config.batch_size, split):
+            assert bytes(row.astype(np.uint8)).decode() in text
+    assert (data.batch(3, 0, 16) == batch).all() and not (data.batch(4, 0, 16) == batch).all()
+    slices = [data.batch(3, r.start, r.stop) for r in (common.process_rows(16, p, 2) for p in range(2))]
+    assert (np.concatenate(slices) == batch).all()
+
+
+@pytest.mark.parametrize("name", DEFAULTS.values())
+def test_scripts_train_on_a_tfds_dataset(name, text_data_dir, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    tfds_run = {"dataset": "tiny_text", "data_dir": text_data_dir, "steps": 12, "eval_every": 6}
+    result = run(name, **tfds_run, metrics_file=str(metrics))
+    evals = [r["eval_loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "eval_loss" in r]
+    print(f"\n{name} on tiny_text: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}, held-out {evals}")
+    assert len(evals) == 2 and evals[1] < evals[0] and result.losses[-1] < result.losses[0] - 0.5
+    assert result.summary["eval_loss"] == evals[-1] and result.summary["loss_floor"] is None
+
+
+def test_command_line_reads_a_prepared_tfds_dataset(text_data_dir, tmp_path):
+    # A fresh process knows no TinyText class: TFDS reads the prepared files on their own.
+    done = run_script(
+        "fsdp", tmp_path, *TINY, "--dataset", "tiny_text", "--data-dir", text_data_dir, "--eval-every", "3"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "TFDS tiny_text" in done.stdout and "eval at step 3" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--dataset", "no_such_dataset"], "--dataset no_such_dataset is neither"),
+        (["--dataset", "tiny_text", "--text-key", "body"], "--text-key body is not a text feature of tiny_text"),
+        # CI reaches no internet, so preparing tiny_shakespeare in an empty folder must fail.
+        (["--dataset", "tiny_shakespeare", "--data-dir", "EMPTY"], "--dataset tiny_shakespeare is not prepared"),
+    ],
+    ids=["unknown", "no text key", "cannot prepare"],
+)
+def test_bad_dataset_exits_2_with_one_line(flags, message, text_data_dir, tmp_path):
+    flags = [str(tmp_path / "empty") if f == "EMPTY" else f for f in flags]
+    data_dir = [] if "--data-dir" in flags else ["--data-dir", text_data_dir]
+    done = run_script("shardmap_dp", tmp_path, *TINY, *flags, *data_dir)
+    assert done.returncode == 2, done.stderr[-2000:]
+    error_lines = [line for line in done.stderr.splitlines() if line.startswith("shardmap_dp.py: error:")]
+    assert len(error_lines) == 1 and message in error_lines[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "compiled" not in done.stdout
+
+
+# ----------------------------------------------------------------------------------------------
 # The command line, from a folder holding only the script and common.py
 # ----------------------------------------------------------------------------------------------
 
 TINY = ["--steps", "3", "--batch-size", "8", "--seq-len", "16", "--layers", "1", "--d-model", "32", "--log-every", "1"]
 
 
-def run_script(script, tmp_path, *flags):
+def copy_alone(script, folder):
+    """A folder holding only the script and common.py, as a user who copied them has."""
     for name in (f"{script}.py", "common.py"):
-        shutil.copy(ROOT / name, tmp_path / name)
+        shutil.copy(ROOT / name, folder / name)
+
+
+def run_script(script, tmp_path, *flags):
+    copy_alone(script, tmp_path)
     return subprocess.run(
         [sys.executable, f"{script}.py", *flags], cwd=tmp_path, capture_output=True, text=True, timeout=300
     )
 
 
-@pytest.mark.parametrize("script", SCRIPTS | {"logical_pjit": logical_pjit})
-def test_command_line_runs_alone(script, tmp_path):
-    done = run_script(script, tmp_path, *TINY, "--metrics-file", "metrics.jsonl")
-    assert done.returncode == 0, done.stderr
-    assert "step 3/3" in done.stdout
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records[:-1]] == [1, 2, 3]
-    assert {"loss", "tokens_per_sec"} <= set(records[0]) and "summary" in records[-1]
-
-
-@pytest.mark.parametrize("script", SCRIPTS | {"logical_pjit": logical_pjit})
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_bad_batch_size_exits_2_with_one_line(script, tmp_path):
     done = run_script(script, tmp_path, *TINY, "--batch-size", "9")  # no mesh here splits 9 rows
     assert done.returncode == 2
@@ -389,8 +484,9 @@ def as_flags(settings):
 
 @contextlib.contextmanager
 def cluster(script, tmp_path, flags, heartbeat=30):
-    """Start PROCESSES copies of a script, each with DEVICES / PROCESSES CPU devices; kill any
-    still running on the way out, whatever happened."""
+    """Start PROCESSES copies of a script, each with DEVICES / PROCESSES CPU devices, from a
+    folder holding only the script and common.py; kill any still running on the way out."""
+    copy_alone(script, tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -403,7 +499,7 @@ def cluster(script, tmp_path, flags, heartbeat=30):
                     [sys.executable, f"{script}.py", *flags, f"--cpu-devices={DEVICES // PROCESSES}",
                      f"--coordinator-address=127.0.0.1:{port}", f"--num-processes={PROCESSES}",
                      f"--process-id={i}", f"--heartbeat-timeout={heartbeat}"],
-                    cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 )
             )  # fmt: skip
             log.close()
@@ -415,23 +511,25 @@ def cluster(script, tmp_path, flags, heartbeat=30):
                 proc.wait()
 
 
-MULTI = {"pmap_dp": "pmap_dp", "shardmap_dp": "shardmap_dp", "fsdp": "fsdp", "pjit_tp": "pjit_tp"}
-MULTI["logical_pjit"] = "logical_fsdp_tp"
-
-
-@pytest.mark.parametrize("script", MULTI)
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_two_processes_match_one(script, tmp_path):
+    """Each script from the command line, copied alone into a folder, as 2 processes x 4
+    devices: the same losses as 1 process x 8. The run stops after the warmup steps, whose
+    learning rates do not depend on --steps, so they compare with the 20-step run."""
     metrics = tmp_path / "metrics.jsonl"
-    flags = as_flags({**SMALL, "log_every": 1, "metrics_file": metrics})
+    steps = SMALL["warmup_steps"]
+    flags = as_flags({**SMALL, "steps": steps, "log_every": 1, "metrics_file": metrics})
     with cluster(script, tmp_path, flags) as procs:
         codes = [proc.wait(timeout=600) for proc in procs]
     logs = [(tmp_path / f"process{i}.log").read_text() for i in range(PROCESSES)]
     assert codes == [0] * PROCESSES, logs
-    assert "step 20/20" in logs[0] and "step " not in logs[1]  # only process 0 reports
+    assert f"step {steps}/{steps}" in logs[0] and "step " not in logs[1]  # only process 0 reports
     assert f"in {PROCESSES} process(es)" in logs[0]
-    records = [json.loads(line) for line in metrics.read_text().splitlines()][:-1]
-    one_process = run(MULTI[script]).losses
-    diff = max(abs(r["loss"] - ref) / ref for r, ref in zip(records, one_process, strict=True))
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records[:-1]] == list(range(1, steps + 1)) and "summary" in records[-1]
+    assert {"loss", "tokens_per_sec"} <= set(records[0])
+    one_process = run(DEFAULTS[script]).losses[:steps]
+    diff = max(abs(r["loss"] - ref) / ref for r, ref in zip(records[:-1], one_process, strict=True))
     print(f"\n{script}: 2 processes x 4 devices vs 1 x 8: loss {diff:.1e}")
     assert diff <= RTOL
 
