@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import os
+import signal
 import time
 import typing
 from collections.abc import Callable
@@ -22,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax.training import train_state
+from jax.experimental import multihost_utils
 
 VOCAB_SIZE = 256  # the synthetic source's tokens; also every byte value, for byte-level text
 
@@ -62,6 +64,9 @@ class Config:
     tfds_manual_dir: str | None = arg(None, "already downloaded source files for preparing a TFDS dataset offline")
     eval_every: int = arg(100, "evaluate on held-out batches every this many steps (0: never)")
     eval_batches: int = arg(8, "held-out batches per evaluation, the same ones every time")
+    checkpoint_dir: str | None = arg(None, "save checkpoints here, and resume from the latest one found")
+    checkpoint_every: int = arg(100, "steps between checkpoints; the last step and SIGTERM always save")
+    keep: int = arg(3, "how many of the most recent checkpoints to keep")
     log_every: int = arg(25, "print and record metrics every this many steps")
     metrics_file: str | None = arg(None, "write JSON Lines metrics here: logged steps, a summary")
     cpu_devices: int = arg(8, "emulated CPU devices (per process), used when no GPU or TPU is present")
@@ -85,6 +90,8 @@ class Config:
         for name in ("warmup_steps", "seed", "eval_every"):
             require(getattr(self, name) >= 0, name, "must be zero or more")
         require(self.eval_batches > 0, "eval_batches", "must be positive")
+        require(self.checkpoint_every > 0, "checkpoint_every", "must be positive")
+        require(self.keep > 0, "keep", "must be positive")
         require(self.lr > 0, "lr", "must be positive, e.g. --lr 3e-3")
         require(0 <= self.dropout < 1, "dropout", "must be in [0, 1)")
         require(self.weight_decay >= 0, "weight_decay", "must be non-negative")
@@ -106,9 +113,13 @@ class Config:
             "num_processes",
             "and --process-id need --coordinator-address host:port of process 0",
         )
-        if self.metrics_file:
-            folder = os.path.dirname(os.path.abspath(self.metrics_file))
-            require(os.access(folder, os.W_OK), "metrics_file", f"cannot be written in {folder}")
+        for name, path in (("metrics_file", self.metrics_file), ("checkpoint_dir", self.checkpoint_dir)):
+            if path:  # the first folder that exists on the way must take new files
+                folder = os.path.abspath(path) if name == "checkpoint_dir" else os.path.dirname(os.path.abspath(path))
+                while not os.path.exists(folder):
+                    folder = os.path.dirname(folder)
+                writable = os.path.isdir(folder) and os.access(folder, os.W_OK)
+                require(writable, name, f"{path} cannot be written: {folder} is not a writable folder")
 
 
 def require(ok, name, message):
@@ -190,6 +201,7 @@ def setup(config: Config):
         _start_distributed(config)
     config.validate()
     load_dataset(config)  # a dataset that cannot be read is bad input too
+    check_checkpoint(config)  # and so is a checkpoint of another model
 
 
 def _start_distributed(config: Config):
@@ -680,6 +692,111 @@ def accumulate_gradients(state: TrainState, batch, rng, microbatches: int):
 
 
 # ----------------------------------------------------------------------------------------------
+# Checkpoints: one layout for every script, so that any script resumes any other's run
+# ----------------------------------------------------------------------------------------------
+
+
+def _unchanged_state(saved, state):
+    return saved
+
+
+class Checkpoints:
+    """Orbax checkpoints (its V1 training API) in one layout that every script reads and writes.
+
+    The layout is the TrainState as global arrays: parameters, optimizer state, step and rng.
+    A script whose state differs passes `to_saved` and `from_saved`: pmap_dp.py keeps one copy
+    per device, fsdp.py boxes its shards in nn.Partitioned. Restoring targets the arrays of the
+    freshly initialised state, so every process reads only its own shards, straight into the
+    script's layout, and no device ever holds a full copy it would not hold anyway. The data
+    position is not saved: each batch follows from its step. A save is complete or absent: a
+    process killed while saving leaves only a temporary folder, which is never read.
+    """
+
+    def __init__(self, config: Config, to_saved: Callable = _unchanged, from_saved: Callable = _unchanged_state):
+        self.config, self.to_saved, self.from_saved = config, to_saved, from_saved
+        self.checkpointer, self.sigterm = None, False
+        if not config.checkpoint_dir:
+            return
+        from orbax.checkpoint import v1 as ocp
+
+        self.checkpointer = ocp.training.Checkpointer(
+            os.path.abspath(config.checkpoint_dir),
+            preservation_policy=ocp.training.preservation_policies.LatestN(config.keep),
+            cleanup_tmp_directories=True,
+        )
+        if jax.process_count() == 1:  # with several processes, JAX's preemption notifier owns SIGTERM
+            self.previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame):
+        self.sigterm = True  # what a TPU VM receives before maintenance: finish the step, save, stop
+
+    def restore(self, state):
+        """The state of the latest checkpoint, laid out like `state`, and its step (0 if none)."""
+        latest = self.checkpointer.latest if self.checkpointer else None
+        if latest is None:
+            return state, 0
+        target = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.to_saved(state)
+        )
+        saved = self.checkpointer.load(latest.step, target)
+        done = " (--steps reached: nothing to train)" if latest.step >= self.config.steps else ""
+        if is_main_process():
+            print(f"resumed from the checkpoint of step {latest.step} in {self.config.checkpoint_dir}{done}")
+        return self.from_saved(saved, state), latest.step
+
+    def save(self, step: int, state, log) -> bool:
+        """After step `step` (from 0): save every --checkpoint-every steps, after the last step and
+        when preempted. Returns True when preempted: the run should stop now."""
+        if self.checkpointer is None:
+            return False
+        done = step + 1
+        preempted = self.sigterm
+        if jax.process_count() > 1:  # every process stops at the same step, the one they agree on
+            preempted = multihost_utils.reached_preemption_sync_point(done)
+        if preempted or done % self.config.checkpoint_every == 0 or done == self.config.steps:
+            log.check_finite()  # a non-finite state is never saved
+            self.checkpointer.save_async(done, self.to_saved(state), force=True)  # the schedule is ours
+        if preempted:
+            log.print(f"preempted: saved the checkpoint of step {done} and stopped")
+        return preempted
+
+    def close(self):
+        if self.checkpointer:
+            self.checkpointer.close()  # waits for the saves still being written
+            if jax.process_count() == 1:
+                signal.signal(signal.SIGTERM, self.previous_handler)
+
+
+def check_checkpoint(config: Config):
+    """A checkpoint of another model configuration is bad input: name its first odd parameter."""
+    if not config.checkpoint_dir or not os.path.isdir(config.checkpoint_dir):
+        return
+    from orbax.checkpoint import v1 as ocp
+
+    with ocp.training.Checkpointer(os.path.abspath(config.checkpoint_dir)) as checkpointer:
+        latest = checkpointer.latest
+        if latest is None:
+            return
+        saved = checkpointer.metadata(latest.step).metadata["params"]
+    expected = jax.eval_shape(lambda: nn.unbox(init_params(config, jax.random.key(0))))
+
+    def shapes(tree):
+        return {
+            jax.tree_util.keystr(path, simple=True, separator="/"): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        }
+
+    saved, expected = shapes(saved), shapes(expected)
+    for name in sorted(saved.keys() | expected.keys()):
+        if saved.get(name) != expected.get(name):
+            raise ConfigError(
+                f"--checkpoint-dir {config.checkpoint_dir} holds another model: {name} is "
+                f"{saved.get(name, 'absent')} there but {expected.get(name, 'absent')} here "
+                "(check --layers, --d-model, --heads, --seq-len, --scan-layers)"
+            )
+
+
+# ----------------------------------------------------------------------------------------------
 # Compilation, logging and the result a script returns
 # ----------------------------------------------------------------------------------------------
 
@@ -738,15 +855,15 @@ class Logger:
             print(text, flush=True)
 
     def log(self, step: int, metrics):
-        self.pending.append(metrics)
+        self.pending.append((step, metrics))
         if (step + 1) % self.config.log_every and step + 1 != self.config.steps:
             return
-        fetched = [(_fetch(m["loss_sum"]), _fetch(m["tokens"])) for m in self.pending]
-        self.losses += [loss_sum / tokens for loss_sum, tokens in fetched]
+        count = len(self.pending)
+        self.check_finite()
         now = time.perf_counter()
-        seconds = (now - self.last_time) / len(self.pending)
-        self.step_seconds += [seconds] * len(self.pending)
-        self.pending, self.last_time = [], now
+        seconds = (now - self.last_time) / count
+        self.step_seconds += [seconds] * count
+        self.last_time = now
         record = {
             "step": step + 1,
             "loss": self.losses[-1],
@@ -764,10 +881,20 @@ class Logger:
     def eval_due(self, step: int) -> bool:
         return bool(self.config.eval_every) and (step + 1) % self.config.eval_every == 0
 
+    def check_finite(self):
+        """Fetch the losses of the steps run so far; stop the run (exit 1) at a non-finite one."""
+        for step, metrics in self.pending:
+            loss = _fetch(metrics["loss_sum"]) / _fetch(metrics["tokens"])
+            if not math.isfinite(loss):
+                last = f"; the last finite loss was {self.losses[-1]:.4f}" if self.losses else ""
+                raise SystemExit(f"stopped: the loss is {loss} at step {step + 1}{last}; nothing more was saved")
+            self.losses.append(loss)
+        self.pending = []
+
     def eval(self, step: int, eval_fn, state, batches):
         """Evaluate on the held-out batches and log their mean loss. The time it takes (the
         first time, compilation too) is left out of the training speed."""
-        for metrics in self.pending:  # let the steps before it finish first
+        for _, metrics in self.pending:  # let the steps before it finish first
             _fetch(metrics["loss_sum"])
         start = time.perf_counter()
         fetched = [(_fetch(m["loss_sum"]), _fetch(m["tokens"])) for m in (eval_fn(state, b) for b in batches)]
@@ -782,6 +909,8 @@ class Logger:
             self.file.flush()
 
     def finish(self, state, compiled) -> Result:
+        if not self.losses:  # resumed at or after --steps
+            return Result([], state, {**self.info, "steps": 0}, compiled)
         # The first interval can include one-off warm-up work; use the median step time.
         step_seconds = float(np.median(self.step_seconds))
         summary = {

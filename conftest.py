@@ -8,8 +8,15 @@ scripts' subprocesses inherit the setting.
 """
 
 import os
+import tempfile
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+# Many runs compile the same programs (a resumed run, the same script in another test, the
+# processes of a multi-process run): a compilation cache for this session, shared with the
+# scripts' subprocesses, compiles each once.
+os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax-cache-")
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
 

@@ -114,6 +114,11 @@ def average(grad):
     return lax.pmean(grad, "data")
 
 
+def rebox(saved, state):
+    """Restored arrays back into the boxes of `state`: the checkpoint layout has none."""
+    return jax.tree.map(lambda box, x: box.replace(value=x) if is_sharded(box) else x, state, saved, is_leaf=is_sharded)
+
+
 def init_state(config, mesh):
     model = common.GPT(config, wrap=gather_before_use)
     create = functools.partial(common.create_state, config, model, functools.partial(shard_params, config=config))
@@ -153,6 +158,8 @@ def main(config):
     mesh = make_mesh(config)
     dataset = common.load_dataset(config)
     state = init_state(config, mesh)
+    checkpoints = common.Checkpoints(config, to_saved=nn.unbox, from_saved=rebox)  # saved without boxes
+    state, start = checkpoints.restore(state)
     state_spec = mesh_specs(state)  # P(..., 'data', ...) for shards, P() otherwise
     step_fn = jax.jit(
         jax.shard_map(
@@ -169,12 +176,17 @@ def main(config):
     compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
     layout = f"mesh data={mesh.shape['data']}, parameters and optimizer state sharded"
     log = common.Logger(config, dataset, layout, compile_seconds)
-    for step in range(config.steps):
-        batch = device_batch(common.host_batch(dataset, config, step), mesh)
-        state, metrics = step_fn(state, batch)
-        log.log(step, metrics)
-        if log.eval_due(step):
-            log.eval(step, eval_fn, state, eval_data)
+    try:
+        for step in range(start, config.steps):
+            batch = device_batch(common.host_batch(dataset, config, step), mesh)
+            state, metrics = step_fn(state, batch)
+            log.log(step, metrics)
+            if log.eval_due(step):
+                log.eval(step, eval_fn, state, eval_data)
+            if checkpoints.save(step, state, log):  # preempted: saved, stop
+                break
+    finally:
+        checkpoints.close()  # lets the saves still being written finish, whatever happened
     return log.finish(state, compiled)
 
 

@@ -123,6 +123,8 @@ def main(config):
     mesh = make_mesh(config)
     dataset = common.load_dataset(config)
     state = init_state(config, mesh)
+    checkpoints = common.Checkpoints(config)
+    state, start = checkpoints.restore(state)
     state_sharding = jax.tree.map(lambda x: x.sharding, state)
     rules = RULES[config.rules]
     step_fn = jax.jit(
@@ -143,13 +145,18 @@ def main(config):
         compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
     layout = f"mesh data={mesh.shape['data']},model={mesh.shape['model']}, rules {config.rules}"
     log = common.Logger(config, dataset, layout, compile_seconds)
-    for step in range(config.steps):
-        batch = device_batch(common.host_batch(dataset, config, step), mesh, rules)
-        state, metrics = step_fn(state, batch)
-        log.log(step, metrics)
-        if log.eval_due(step):
-            with jax.set_mesh(mesh), nn.logical_axis_rules(rules):  # traced here the first time
-                log.eval(step, eval_fn, state, eval_data)
+    try:
+        for step in range(start, config.steps):
+            batch = device_batch(common.host_batch(dataset, config, step), mesh, rules)
+            state, metrics = step_fn(state, batch)
+            log.log(step, metrics)
+            if log.eval_due(step):
+                with jax.set_mesh(mesh), nn.logical_axis_rules(rules):  # traced here the first time
+                    log.eval(step, eval_fn, state, eval_data)
+            if checkpoints.save(step, state, log):  # preempted: saved, stop
+                break
+    finally:
+        checkpoints.close()  # lets the saves still being written finish, whatever happened
     return log.finish(state, compiled)
 
 

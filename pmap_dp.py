@@ -45,6 +45,11 @@ def init_state(config):
     return jax_utils.replicate(jax.jit(create)(), axis_name="data")
 
 
+def replicate(saved, state):
+    """A restored state, one copy per device again: checkpoints hold a single copy."""
+    return jax_utils.replicate(saved, axis_name="data")
+
+
 def train_step(state, batch, microbatches):
     """One device's share of a step: its full copy of the state, its rows of the batch."""
     # Every device must drop different units: fold the device's index into the step's key.
@@ -69,6 +74,8 @@ def main(config):
     common.setup(config)
     dataset = common.load_dataset(config)
     state = init_state(config)
+    checkpoints = common.Checkpoints(config, to_saved=jax_utils.unreplicate, from_saved=replicate)  # saved once
+    state, start = checkpoints.restore(state)
     step_fn = jax.pmap(
         functools.partial(train_step, microbatches=config.microbatches),
         axis_name="data",
@@ -80,12 +87,17 @@ def main(config):
     compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
     layout = f"pmap over {jax.local_device_count()} local devices, state replicated"
     log = common.Logger(config, dataset, layout, compile_seconds)
-    for step in range(config.steps):
-        batch = device_batch(common.host_batch(dataset, config, step))
-        state, metrics = step_fn(state, batch)
-        log.log(step, metrics)
-        if log.eval_due(step):
-            log.eval(step, eval_fn, state, eval_data)
+    try:
+        for step in range(start, config.steps):
+            batch = device_batch(common.host_batch(dataset, config, step))
+            state, metrics = step_fn(state, batch)
+            log.log(step, metrics)
+            if log.eval_due(step):
+                log.eval(step, eval_fn, state, eval_data)
+            if checkpoints.save(step, state, log):  # preempted: saved, stop
+                break
+    finally:
+        checkpoints.close()  # lets the saves still being written finish, whatever happened
     return log.finish(state, compiled)
 
 
