@@ -29,8 +29,11 @@ from jax import lax
 
 import common
 
+import numpy as np
 from flax import jax_utils
 from flax.training import common_utils
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +48,27 @@ def init_state(config):
     return jax_utils.replicate(jax.jit(create)(), axis_name="data")
 
 
-def replicate(saved, state):
-    """A restored state, one copy per device again: checkpoints hold a single copy."""
-    return jax_utils.replicate(saved, axis_name="data")
+def to_saved(state):
+    """The checkpoint layout: each leaf one global array, replicated on every device of every
+    process, assembled from the per-device copies where they are."""
+    everywhere = NamedSharding(Mesh(np.array(jax.devices()), ("devices",)), P())
+    return jax.tree.map(
+        lambda x: jax.make_array_from_single_device_arrays(
+            x.shape[1:], everywhere, [s.data[0] for s in x.addressable_shards]
+        ),
+        state,
+    )
+
+
+def from_saved(saved, state):
+    """A restored state, back to one stacked copy per local device."""
+    return jax.tree.map(
+        lambda x, like: jax.make_array_from_single_device_arrays(
+            like.shape, like.sharding, [s.data[None] for s in x.addressable_shards]
+        ),
+        saved,
+        state,
+    )
 
 
 def train_step(state, batch, microbatches):
@@ -74,7 +95,7 @@ def main(config):
     common.setup(config)
     dataset = common.load_dataset(config)
     state = init_state(config)
-    checkpoints = common.Checkpoints(config, to_saved=jax_utils.unreplicate, from_saved=replicate)  # saved once
+    checkpoints = common.Checkpoints(config, to_saved, from_saved)  # saved as one copy, not one per device
     state, start = checkpoints.restore(state)
     step_fn = jax.pmap(
         functools.partial(train_step, microbatches=config.microbatches),
