@@ -128,13 +128,6 @@ def test_scanned_layers_match(name):
     compare(f"{name} --scan-layers", result, reference()[0], reference(scan_layers=True)[1])
 
 
-@pytest.mark.parametrize("name", DEFAULTS.values())
-def test_dropout_training_learns(name):
-    losses = run(name, dropout=0.1, steps=80).losses
-    print(f"\n{name} --dropout 0.1: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-    assert losses[-1] < 0.6 * losses[0]
-
-
 # ----------------------------------------------------------------------------------------------
 # The strategy is real: shardings of the final state, collectives in the compiled step
 # ----------------------------------------------------------------------------------------------
@@ -396,13 +389,18 @@ def test_text_batches_are_windows_of_the_text(text_data_dir):
 
 
 @pytest.mark.parametrize("name", DEFAULTS.values())
-def test_scripts_train_on_a_tfds_dataset(name, text_data_dir, tmp_path):
+def test_scripts_learn_a_tfds_dataset_with_dropout(name, text_data_dir, tmp_path):
+    """Every script, through the real TFDS loading path, with dropout on: the loss falls well
+    below its start, and the held-out loss is logged and falls too."""
     metrics = tmp_path / "metrics.jsonl"
-    tfds_run = {"dataset": "tiny_text", "data_dir": text_data_dir, "steps": 12, "eval_every": 6}
+    tfds_run = {"dataset": "tiny_text", "data_dir": text_data_dir, "steps": 16, "eval_every": 8, "dropout": 0.1}
     result = run(name, **tfds_run, metrics_file=str(metrics))
     evals = [r["eval_loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "eval_loss" in r]
-    print(f"\n{name} on tiny_text: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}, held-out {evals}")
-    assert len(evals) == 2 and evals[1] < evals[0] and result.losses[-1] < result.losses[0] - 0.5
+    print(
+        f"\n{name} on tiny_text, dropout 0.1: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}, held-out {evals}"
+    )
+    assert result.losses[-1] < 0.7 * result.losses[0]
+    assert len(evals) == 2 and evals[1] < evals[0]
     assert result.summary["eval_loss"] == evals[-1] and result.summary["loss_floor"] is None
 
 
@@ -536,7 +534,7 @@ def test_two_processes_match_one(script, tmp_path):
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["worker dies", "coordinator dies"])
 def test_a_dead_process_stops_the_others(victim, tmp_path):
-    heartbeat = 10
+    heartbeat = 5
     metrics = tmp_path / "metrics.jsonl"
     flags = as_flags({**SMALL, "steps": 100_000, "log_every": 1, "metrics_file": metrics})
     with cluster("shardmap_dp", tmp_path, flags, heartbeat) as procs:
