@@ -11,7 +11,9 @@ import functools
 import json
 import math
 import os
+import re
 import signal
+import socket
 import time
 import typing
 from collections.abc import Callable
@@ -58,6 +60,7 @@ class Config:
     dtype: str = arg("float32", "compute dtype; parameters stay float32", choices=("float32", "bfloat16"))
     microbatches: int = arg(1, "gradient accumulation: sequential micro-batches per step")
     scan_layers: bool = arg(False, "run the blocks with nn.scan: one compiled block, not --layers")
+    remat: bool = arg(False, "recompute each block's activations in the backward pass instead of keeping them")
     dataset: str = arg("synthetic", "'synthetic' (embedded, no download) or a TFDS text dataset, e.g. tiny_shakespeare")
     data_dir: str | None = arg(None, "where TFDS datasets are stored (default: TFDS's, ~/tensorflow_datasets)")
     text_key: str = arg("text", "the TFDS dataset's text feature, e.g. text for tiny_shakespeare and lm1b")
@@ -69,6 +72,7 @@ class Config:
     keep: int = arg(3, "how many of the most recent checkpoints to keep")
     log_every: int = arg(25, "print and record metrics every this many steps")
     metrics_file: str | None = arg(None, "write JSON Lines metrics here: logged steps, a summary")
+    show_sharding: bool = arg(False, "before training, print every parameter's layout and bytes per device")
     cpu_devices: int = arg(8, "emulated CPU devices (per process), used when no GPU or TPU is present")
     coordinator_address: str | None = arg(
         None, "several processes: host:port of process 0, e.g. 10.0.0.1:1234 (all processes give the same)"
@@ -77,6 +81,7 @@ class Config:
     process_id: int = arg(0, "several processes: this one's index, 0 to --num-processes - 1")
     distributed: bool = arg(False, "start JAX's distributed runtime and let it find the cluster (TPU pod, SLURM)")
     heartbeat_timeout: int = arg(60, "several processes: seconds of silence before a process counts as dead")
+    debug_nans: bool = arg(False, "find the operation that first makes a NaN (JAX re-runs it op by op; slow)")
 
     def batch_shards(self) -> int:
         """How many ways the global batch is split; scripts with a mesh override this."""
@@ -84,18 +89,20 @@ class Config:
 
     def validate(self):
         """Raise ConfigError naming the first bad flag. Runs before anything is compiled."""
-        positive = ("steps", "batch_size", "seq_len", "layers", "d_model", "heads", "microbatches", "log_every")
+
+        def example(name):  # the default is always a valid value
+            return f"e.g. --{name.replace('_', '-')} {getattr(type(self), name)}"
+
+        positive = (
+            "steps", "batch_size", "seq_len", "layers", "d_model", "heads", "microbatches", "log_every",
+            "eval_batches", "checkpoint_every", "keep", "lr",
+        )  # fmt: skip
         for name in positive:
-            require(getattr(self, name) > 0, name, "must be positive")
-        for name in ("warmup_steps", "seed", "eval_every"):
-            require(getattr(self, name) >= 0, name, "must be zero or more")
-        require(self.eval_batches > 0, "eval_batches", "must be positive")
-        require(self.checkpoint_every > 0, "checkpoint_every", "must be positive")
-        require(self.keep > 0, "keep", "must be positive")
-        require(self.lr > 0, "lr", "must be positive, e.g. --lr 3e-3")
-        require(0 <= self.dropout < 1, "dropout", "must be in [0, 1)")
-        require(self.weight_decay >= 0, "weight_decay", "must be non-negative")
-        require(self.dtype in ("float32", "bfloat16"), "dtype", "must be float32 or bfloat16")
+            require(getattr(self, name) > 0, name, f"must be positive, {example(name)}")
+        for name in ("warmup_steps", "seed", "eval_every", "weight_decay"):
+            require(getattr(self, name) >= 0, name, f"must be zero or more, {example(name)}")
+        require(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), {example('dropout')}")
+        require(self.dtype in ("float32", "bfloat16"), "dtype", "must be float32 or bfloat16, e.g. --dtype bfloat16")
         require(
             self.d_model % self.heads == 0,
             "heads",
@@ -111,7 +118,7 @@ class Config:
         require(
             (self.num_processes, self.process_id) == (1, 0) or self.coordinator_address or self.distributed,
             "num_processes",
-            "and --process-id need --coordinator-address host:port of process 0",
+            "and --process-id need --coordinator-address host:port of process 0, e.g. --coordinator-address 10.0.0.1:1234",
         )
         for name, path in (("metrics_file", self.metrics_file), ("checkpoint_dir", self.checkpoint_dir)):
             if path:  # the first folder that exists on the way must take new files
@@ -119,7 +126,14 @@ class Config:
                 while not os.path.exists(folder):
                     folder = os.path.dirname(folder)
                 writable = os.path.isdir(folder) and os.access(folder, os.W_OK)
-                require(writable, name, f"{path} cannot be written: {folder} is not a writable folder")
+                require(
+                    writable, name, f"{path} cannot be written: {folder} is not a writable folder, e.g. --{name} run/"
+                )
+        require(
+            not (self.metrics_file and os.path.isdir(self.metrics_file)),
+            "metrics_file",
+            f"{self.metrics_file} is a folder; give a file in it, e.g. --metrics-file {self.metrics_file}/metrics.jsonl",
+        )
 
 
 def require(ok, name, message):
@@ -157,7 +171,7 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     pass  # the script's docstring as written, then every flag with its default
 
 
-def parse_config(config_class=Config, doc: str | None = None) -> Config:
+def parse_config(config_class=Config, doc: str | None = None, argv: list | None = None) -> Config:
     """Build the command line from the Config fields, parse it, and set up JAX. Bad input exits 2."""
     parser = _Parser(description=doc, formatter_class=_HelpFormatter)
     hints = typing.get_type_hints(config_class)
@@ -171,7 +185,7 @@ def parse_config(config_class=Config, doc: str | None = None) -> Config:
             metavar = None if "choices" in options else kind.__name__.upper()
             parser.add_argument(flag, type=kind, metavar=metavar, **options)
         parser.set_defaults(**{field.name: field.default})
-    config = config_class(**vars(parser.parse_args()))
+    config = config_class(**vars(parser.parse_args(argv)))
     try:
         setup(config)
     except ConfigError as error:
@@ -186,7 +200,7 @@ def parse_config(config_class=Config, doc: str | None = None) -> Config:
 
 def setup(config: Config):
     """Start JAX on the right devices, then check the flags. Call before touching any device."""
-    require(config.cpu_devices > 0, "cpu_devices", "must be positive")
+    require(config.cpu_devices > 0, "cpu_devices", "must be positive, e.g. --cpu-devices 8")
     try:
         # Only affects the CPU backend, so it is harmless on GPU/TPU hosts, whose real devices
         # are used unchanged. It must run before JAX starts a backend.
@@ -197,6 +211,7 @@ def setup(config: Config):
                 f"--cpu-devices {config.cpu_devices}: this process already started JAX with "
                 f"{jax.local_device_count()} CPU devices"
             ) from None
+    jax.config.update("jax_debug_nans", config.debug_nans)
     if (config.coordinator_address or config.distributed) and not jax.distributed.is_initialized():
         _start_distributed(config)
     config.validate()
@@ -208,17 +223,21 @@ def _start_distributed(config: Config):
     """Join the other processes. Every process runs the same program on its own devices; jit,
     shard_map and pmap collectives then span all of them."""
     if config.distributed:  # JAX reads the cluster from its environment (Cloud TPU, SLURM, ...)
-        require(not config.coordinator_address, "distributed", "and --coordinator-address exclude each other")
+        require(not config.coordinator_address, "distributed", "and --coordinator-address exclude each other: give one")
         address, processes, process_id = None, None, None
     else:
         host, _, port = config.coordinator_address.rpartition(":")
         require(host and port.isdigit(), "coordinator_address", "must be host:port, e.g. 10.0.0.1:1234")
-        require(config.num_processes > 0, "num_processes", "must be positive")
+        require(config.num_processes > 0, "num_processes", "must be positive, e.g. --num-processes 2")
         require(
-            0 <= config.process_id < config.num_processes, "process_id", f"must be in 0..{config.num_processes - 1}"
+            0 <= config.process_id < config.num_processes,
+            "process_id",
+            f"must be in 0..{config.num_processes - 1}, e.g. --process-id 0",
         )
         address, processes, process_id = config.coordinator_address, config.num_processes, config.process_id
-    require(config.heartbeat_timeout > 0, "heartbeat_timeout", "must be positive")
+        if process_id:
+            _wait_for_coordinator(host, int(port), config.heartbeat_timeout)
+    require(config.heartbeat_timeout > 0, "heartbeat_timeout", "must be positive, e.g. --heartbeat-timeout 60")
     # CPU processes exchange collectives through gloo (TCP); GPUs and TPUs use their own links.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
@@ -232,6 +251,23 @@ def _start_distributed(config: Config):
         heartbeat_timeout_seconds=config.heartbeat_timeout,
         shutdown_timeout_seconds=config.heartbeat_timeout,
     )
+
+
+def _wait_for_coordinator(host: str, port: int, timeout: float):
+    """Wait until process 0 listens at host:port. JAX's own wait ends in a C++ abort with a
+    stack trace; this one ends in a line naming the address."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1):
+                return
+        except OSError as error:
+            if time.monotonic() > deadline:
+                raise SystemExit(
+                    f"error: cannot reach the coordinator at {host}:{port} after {timeout}s ({error.strerror or error}); "
+                    "start process 0 with the same --coordinator-address, and check the host, the port and firewalls"
+                ) from None
+            time.sleep(0.5)
 
 
 def is_main_process() -> bool:
@@ -298,17 +334,15 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, deterministic):
         c = self.config
-        # The d_model outputs of query, key and value are laid out head by head, so splitting
-        # that axis into equal contiguous parts (tensor parallelism) gives each device whole heads.
-        # No key bias: it adds the same q.b to all of a query's scores, which softmax ignores, so
-        # its gradient is zero and Adam would only turn rounding noise into updates.
-        q, k, v = (
-            _dense(c, c.d_model, ("embed", "heads"), name, use_bias=name != "key")(x).reshape(
-                *x.shape[:-1], c.heads, -1
-            )
-            for name in ("query", "key", "value")
-        )
-        q, k, v = (nn.with_logical_constraint(t, ("batch", "length", "act_heads", None)) for t in (q, k, v))
+        # One matmul makes the query, key and value of every head, laid out head by head
+        # ([heads, 3, head_dim]), so splitting its outputs into equal contiguous parts (tensor
+        # parallelism) gives each device whole heads, and the backward pass sums their input
+        # gradients in the matmul before any all-reduce: one activation's worth, not three.
+        # No bias: a key bias adds the same q.b to all of a query's scores, which softmax
+        # ignores, so its gradient is zero and Adam would only turn rounding noise into updates.
+        qkv = _dense(c, 3 * c.d_model, ("embed", "heads"), "qkv", use_bias=False)(x)
+        q, k, v = jnp.split(qkv.reshape(*x.shape[:-1], c.heads, 3, -1), 3, axis=-2)
+        q, k, v = (nn.with_logical_constraint(t.squeeze(-2), ("batch", "length", "act_heads", None)) for t in (q, k, v))
         x = jax.nn.dot_product_attention(q, k, v, is_causal=True)
         x = _dense(c, c.d_model, ("heads", "embed"), "out", _residual_scale(c))(x.reshape(*x.shape[:-2], -1))
         return nn.Dropout(c.dropout)(x, deterministic=deterministic)
@@ -366,9 +400,12 @@ class GPT(nn.Module):
     def __call__(self, tokens, deterministic: bool = True):
         c = self.config
         x = self.wrap(Embed)(c, name="embed")(tokens, deterministic)
+        block = self.wrap(Block)
+        if c.remat:  # keep only each block's input; the backward pass runs the block again
+            block = nn.remat(block, static_argnums=(2,))
         if c.scan_layers:
             blocks = nn.scan(
-                self.wrap(Block),
+                block,
                 variable_axes={"params": 0},
                 split_rngs={"params": True, "dropout": True},
                 in_axes=nn.broadcast,
@@ -378,7 +415,7 @@ class GPT(nn.Module):
             x, _ = blocks(c, name="blocks")(x, deterministic)
         else:
             for i in range(c.layers):
-                x, _ = self.wrap(Block)(c, name=f"block_{i}")(x, deterministic)
+                x, _ = block(c, name=f"block_{i}")(x, deterministic)
         return self.wrap(Head)(c, name="head")(x, deterministic)
 
 
@@ -399,11 +436,6 @@ def init_params(config: Config, rng):
 
         params["blocks"] = jax.tree.map(stack, *blocks, is_leaf=lambda x: isinstance(x, nn.Partitioned))
     return params
-
-
-def param_count(config: Config) -> int:
-    shapes = jax.eval_shape(lambda: nn.unbox(init_params(config, jax.random.key(0))))
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(shapes))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -561,7 +593,11 @@ def _tfds_builder(config: Config):
         "text_key",
         f"{config.text_key} is not a text feature of {config.dataset}; it has {', '.join(features)}",
     )
-    require("train" in builder.info.splits, "dataset", f"{config.dataset} has no train split")
+    require(
+        "train" in builder.info.splits,
+        "dataset",
+        f"{config.dataset} has no train split, e.g. --dataset tiny_shakespeare",
+    )
     return builder
 
 
@@ -797,6 +833,193 @@ def check_checkpoint(config: Config):
 
 
 # ----------------------------------------------------------------------------------------------
+# What a run costs, measured from the real arrays and the compiled step
+# ----------------------------------------------------------------------------------------------
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
+# Dense bf16 peak FLOP/s of one device, by jax.Device.device_kind; the first match wins.
+PEAK_FLOPS = (
+    ("TPU v5 lite", 197e12),  # v5e
+    ("TPU v5", 459e12),  # v5p
+    ("TPU v6 lite", 918e12),  # v6e
+    ("TPU v4", 275e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),  # SXM
+    ("H200", 989e12),
+    ("A100", 312e12),
+)
+
+
+def model_shapes(config: Config):
+    """The abstract initial TrainState (shapes and dtypes only): the model's full size."""
+    return jax.eval_shape(lambda: create_state(config, GPT(config)))
+
+
+def flops_per_token(config: Config, params) -> int:
+    """Training FLOPs per token: 6 per matmul parameter (forward 2, backward 4) plus the
+    attention scores and their use, 6 * 2 * layers * seq_len * d_model (PaLM, appendix B).
+    The embedding tables are lookups, not matmuls, so they are left out."""
+    embed = params["embed"]
+    tables = embed["token"]["embedding"].size + embed["position"]["embedding"].size
+    matmul_params = sum(x.size for x in jax.tree.leaves(params)) - tables
+    return 6 * matmul_params + 12 * config.layers * config.seq_len * config.d_model
+
+
+def peak_flops() -> float | None:
+    kind = jax.devices()[0].device_kind
+    return next((peak for name, peak in PEAK_FLOPS if name.lower() in kind.lower()), None)
+
+
+def nbytes(x) -> int:
+    return x.size * x.dtype.itemsize  # also for abstract arrays (jax.ShapeDtypeStruct)
+
+
+def bytes_on_device(x, device) -> int:
+    """The bytes of array x stored on one device."""
+    return sum(shard.data.nbytes for shard in x.addressable_shards if shard.device == device)
+
+
+_ARRAY = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")  # f32[64,128], bf16[], pred[8]
+_CALLS = re.compile(r"\b(body|condition|calls|to_apply|branch_computations)=\{?%([\w.\-]+)")
+
+
+def _shape_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in _ARRAY.findall(text):
+        bits = 8 if dtype == "pred" else int(re.search(r"\d+", dtype).group())
+        total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
+    return total
+
+
+def _closing(text: str, start: int) -> int:
+    """The index just past the bracket that closes the one at text[start]."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += text[i] == "("
+        depth -= text[i] == ")"
+        if depth == 0:
+            return i + 1
+    raise ValueError(text)
+
+
+def hlo_collectives(hlo_text: str) -> list:
+    """Every collective of a compiled HLO module, as dicts: op, runs (per step: an op in a
+    while loop, from --scan-layers or --microbatches, runs once per iteration), bytes (per
+    device, the larger of its operands and its result) and its HLO line."""
+    computations, sizes, entry, current = {}, {}, None, None
+    for line in hlo_text.splitlines():
+        if not line.startswith((" ", "}")) and line.endswith("{") and "%" in line:
+            current = line.split("%")[1].split(" ")[0]
+            computations[current], entry = [], current if line.startswith("ENTRY") else entry
+        elif current and (instruction := re.match(r"\s*(?:ROOT )?%(\S+) = (.*)$", line)):
+            name, rest = instruction.groups()
+            end = _closing(rest, 0) if rest.startswith("(") else rest.index(" ")
+            shape, rest = rest[:end], rest[end:].lstrip()
+            opcode, operands_end = rest[: rest.index("(")], _closing(rest, rest.index("("))
+            sizes[name] = _shape_bytes(shape)
+            operands = re.findall(r"%([\w.\-]+)", rest[len(opcode) : operands_end])
+            computations[current].append((name, opcode, operands, rest[operands_end:], line))
+    callers = {}
+    for caller, instructions in computations.items():
+        for *_, attributes, _ in instructions:
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attributes)
+            for key, callee in _CALLS.findall(attributes):
+                loop = trips and key in ("body", "condition")
+                callers.setdefault(callee, []).append((caller, int(trips.group(1)) if loop else 1))
+
+    @functools.cache
+    def runs(computation):
+        if computation == entry:
+            return 1
+        return sum(runs(caller) * times for caller, times in callers.get(computation, ()))
+
+    found = []
+    for computation, instructions in computations.items():
+        for name, opcode, operands, _, line in instructions:
+            op = opcode.removesuffix("-start")  # async pairs: count the start, not the done
+            if op in COLLECTIVES and runs(computation):
+                operand_bytes = sum(sizes.get(o, 0) for o in operands)
+                # An async start's result holds its operands too, then the outputs.
+                result_bytes = sizes[name] - (operand_bytes if opcode.endswith("-start") else 0)
+                found.append(
+                    {"op": op, "runs": runs(computation), "bytes": max(operand_bytes, result_bytes), "line": line}
+                )
+    return found
+
+
+def cost_report(config: Config, state, compiled) -> dict:
+    """What the strategy costs, from the real arrays (state bytes on this process's first
+    device) and the compiled step (its memory analysis and the collectives in its HLO)."""
+    device = jax.local_devices()[0]
+    full = model_shapes(config)
+    leaves = jax.tree.leaves(nn.unbox((state.params, state.opt_state)))
+    memory = compiled.memory_analysis()
+    collectives = {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
+    for found in hlo_collectives(compiled.as_text()):
+        collectives[found["op"]]["count"] += found["runs"]
+        collectives[found["op"]]["bytes"] += found["runs"] * found["bytes"]
+    params = nn.unbox(full.params)
+    return {
+        "param_count": sum(x.size for x in jax.tree.leaves(params)),
+        "param_bytes": sum(map(nbytes, jax.tree.leaves(params))),
+        "flops_per_token": flops_per_token(config, params),
+        "state_bytes_total": sum(map(nbytes, jax.tree.leaves(nn.unbox((full.params, full.opt_state))))),
+        "state_bytes_per_device": sum(bytes_on_device(x, device) for x in leaves),
+        "compiled_argument_bytes": getattr(memory, "argument_size_in_bytes", None),
+        "compiled_temp_bytes": getattr(memory, "temp_size_in_bytes", None),
+        "collectives": collectives,
+    }
+
+
+def show_sharding(params):
+    """Print each parameter's path, shape, PartitionSpec and bytes per device, then draw one
+    parameter's layout over the devices."""
+    device, rows = jax.local_devices()[0], []
+    for path, x in jax.tree_util.tree_leaves_with_path(nn.unbox(params)):
+        spec = getattr(x.sharding, "spec", x.sharding)
+        rows.append(
+            (
+                jax.tree_util.keystr(path, simple=True, separator="/"),
+                str(x.shape),
+                str(spec),
+                bytes_on_device(x, device),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    print("parameter".ljust(widths[0]), "shape".ljust(widths[1]), "spec".ljust(widths[2]), "bytes/device")
+    for name, shape, spec, size in rows:
+        print(name.ljust(widths[0]), shape.ljust(widths[1]), spec.ljust(widths[2]), f"{size:,}")
+    # The drawing: block 0's fc1 kernel, which every strategy but data parallelism splits.
+    drawable = {name: x for (name, *_), x in zip(rows, jax.tree.leaves(nn.unbox(params)), strict=True) if x.ndim == 2}
+    name = next(
+        (n for n in drawable if n.endswith("mlp/fc1/kernel")),
+        max(drawable, key=lambda n: drawable[n].size, default=None),
+    )
+    if name:
+        print(f"{name} {drawable[name].shape} over the devices:")
+        jax.debug.visualize_array_sharding(drawable[name])
+
+
+def _megabytes(n) -> str:
+    return "n/a" if n is None else f"{n / 1e6:.2f} MB"
+
+
+def report_lines(summary: dict) -> str:
+    """The end-of-run report, for people; --metrics-file has the same numbers for programs."""
+    per_device, total = summary["state_bytes_per_device"], summary["state_bytes_total"]
+    used = [f"{op} {c['count']} ({_megabytes(c['bytes'])})" for op, c in summary["collectives"].items() if c["count"]]
+    mfu = f"MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else f"MFU n/a on {summary['platform']}"
+    return (
+        f"state: {_megabytes(per_device)} per device of {_megabytes(total)} "
+        f"({per_device * summary['devices'] / total:.2f} x total/devices) | compiled step: arguments "
+        f"{_megabytes(summary['compiled_argument_bytes'])}, temporaries {_megabytes(summary['compiled_temp_bytes'])}\n"
+        f"collectives per step and device: {', '.join(used) or 'none'}\n"
+        f"compile {summary['compile_seconds']:.1f}s | {summary['flops_per_token'] / 1e6:.1f} MFLOP/token | {mfu}"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
 # Compilation, logging and the result a script returns
 # ----------------------------------------------------------------------------------------------
 
@@ -804,10 +1027,26 @@ def check_checkpoint(config: Config):
 def compile_step(step_fn, *args):
     """Compile ahead of time, so the compile time is measured apart from the steps and the
     compiled step can be inspected (its HLO shows the collectives the strategy produced).
-    Calling step_fn afterwards reuses this compilation."""
+    The loop then runs this compiled step, so the report describes the program that ran."""
     start = time.perf_counter()
     compiled = step_fn.lower(*args).compile()
-    return compiled, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if jax.config.jax_debug_nans:  # JAX checks for NaNs only in calls through jit
+        return _ThroughJit(step_fn, compiled), seconds
+    return compiled, seconds
+
+
+class _ThroughJit:
+    """The compiled step for inspection, but run by step_fn: --debug-nans needs that."""
+
+    def __init__(self, step_fn, compiled):
+        self.step_fn, self.compiled = step_fn, compiled
+
+    def __call__(self, *args):
+        return self.step_fn(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.compiled, name)
 
 
 @dataclasses.dataclass
@@ -825,29 +1064,34 @@ def _fetch(x) -> float:
 
 class Logger:
     """Prints a line every --log-every steps (process 0 only), writes --metrics-file, keeps every
-    step's loss. Metrics stay on device until a log step, so the host never waits on a step."""
+    step's loss, and reports what the run cost. Metrics stay on device until a log step, so the
+    host never waits on a step."""
 
-    def __init__(self, config: Config, dataset, layout: str, compile_seconds: float):
+    def __init__(self, config: Config, dataset, layout: str, state, compiled, compile_seconds: float):
         self.config, self.dataset, self.compile_seconds = config, dataset, compile_seconds
         self.tokens_per_step = config.batch_size * config.seq_len
         self.losses, self.pending, self.step_seconds, self.eval_loss = [], [], [], None
         self.file = open(config.metrics_file, "w") if config.metrics_file and is_main_process() else None
         devices = jax.devices()
+        # Measured now: the train step donates the state, so these arrays go away.
+        self.cost = cost_report(config, state, compiled)
         self.info = {
             "platform": devices[0].platform,
+            "device_kind": devices[0].device_kind,
             "devices": len(devices),
             "processes": jax.process_count(),
             "layout": layout,
-            "param_count": param_count(config),
         }
         self.print(
             f"{len(devices)} {devices[0].platform} devices in {jax.process_count()} process(es) | "
-            f"{layout} | {self.info['param_count'] / 1e6:.2f}M parameters\n"
+            f"{layout} | {self.cost['param_count'] / 1e6:.2f}M parameters\n"
             f"batch {config.batch_size} x {config.seq_len} tokens "
-            f"({config.batch_size // config.batch_shards()} sequences per batch shard) | "
+            f"({config.batch_size // config.batch_shards()} sequences per device) | "
             f"{dataset.describe()}\n"
             f"compiled the train step in {compile_seconds:.1f}s"
         )
+        if config.show_sharding and is_main_process():
+            show_sharding(state.params)
         self.last_time = time.perf_counter()
 
     def print(self, text):
@@ -909,25 +1153,32 @@ class Logger:
             self.file.flush()
 
     def finish(self, state, compiled) -> Result:
-        if not self.losses:  # resumed at or after --steps
-            return Result([], state, {**self.info, "steps": 0}, compiled)
+        steps = len(self.losses)
         # The first interval can include one-off warm-up work; use the median step time.
-        step_seconds = float(np.median(self.step_seconds))
+        step_seconds = float(np.median(self.step_seconds)) if steps else None
+        tokens_per_sec = self.tokens_per_step / step_seconds if steps else None
+        peak = peak_flops()
         summary = {
             **self.info,
-            "steps": len(self.losses),
-            "final_loss": self.losses[-1],
+            "steps": steps,
+            "final_loss": self.losses[-1] if steps else None,
             "eval_loss": self.eval_loss,
             "loss_floor": getattr(self.dataset, "loss_floor", None),
-            "tokens_per_sec": self.tokens_per_step / step_seconds,
+            "tokens_per_sec": tokens_per_sec,
             "step_seconds": step_seconds,
             "compile_seconds": self.compile_seconds,
+            "mfu": self.cost["flops_per_token"] * tokens_per_sec / (peak * self.info["devices"])
+            if steps and peak
+            else None,
+            **self.cost,
         }
-        floor = f" (floor {summary['loss_floor']:.4f})" if summary["loss_floor"] is not None else ""
-        self.print(
-            f"done: final loss {summary['final_loss']:.4f}{floor}, "
-            f"{summary['tokens_per_sec']:,.0f} tokens/s, {step_seconds * 1e3:.1f} ms/step"
-        )
+        if steps:  # not when resumed at or after --steps
+            floor = f" (floor {summary['loss_floor']:.4f})" if summary["loss_floor"] is not None else ""
+            self.print(
+                f"done: final loss {summary['final_loss']:.4f}{floor}, "
+                f"{tokens_per_sec:,.0f} tokens/s, {step_seconds * 1e3:.1f} ms/step"
+            )
+            self.print(report_lines(summary))
         self.write({"summary": summary})
         if self.file:
             self.file.close()

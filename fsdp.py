@@ -1,19 +1,19 @@
 """Fully sharded data parallelism (ZeRO-3), written by hand in jax.shard_map.
 
-What is where: every parameter with at least --min-shard-size elements is split into N equal
-pieces along one of its axes over the mesh axis 'data' (boxed as nn.Partitioned, whose names
-say which axis); its Adam moments are split the same way. Each device stores 1/N of them, so
-parameter and optimizer memory per device is about total / N. Smaller parameters (LayerNorms,
-biases) stay replicated, as in shardmap_dp.py. The batch is split by rows over 'data', as in
-data parallelism.
+What is where: every parameter is split into N equal pieces along one of its axes over the
+mesh axis 'data' (boxed as nn.Partitioned, whose names say which axis); its Adam moments are
+split the same way. Each device stores 1/N of them, so parameter and optimizer memory per
+device is total / N. A parameter with no axis that N divides, or smaller than
+--min-shard-size, stays replicated, as in shardmap_dp.py. The batch is split by rows over
+'data', as in data parallelism.
 A step: each piece of the model (the embedding, every block, the head) all-gathers its full
 parameters just before it runs, and again in the backward pass rather than keeping them
 alive in between. Autodiff turns each all-gather into its transpose, a reduce-scatter, which
 leaves each device the summed gradient of its own shard (divided by N for the mean). Adam is
 elementwise, so each device updates only its shard. Replicated parameters get their
 gradients all-reduced, as in data parallelism.
-Collectives per step: all-gathers (forward and backward) and reduce-scatters of the large
-parameters, one all-reduce of the small ones.
+Collectives per step: all-gathers (forward and backward) and reduce-scatters of the
+parameters, an all-reduce of any replicated ones and of the metrics.
 
 Run:
   python fsdp.py                         # a laptop: 8 emulated CPU devices
@@ -40,8 +40,12 @@ from jax.sharding import PartitionSpec as P
 @dataclasses.dataclass(frozen=True)
 class Config(common.Config):
     min_shard_size: int = common.arg(
-        4096, "shard parameters with at least this many elements; smaller ones stay replicated"
+        0, "replicate parameters smaller than this (e.g. 65536 spares tiny all-gathers); 0 shards all"
     )
+
+    def validate(self):
+        super().validate()
+        common.require(self.min_shard_size >= 0, "min_shard_size", "must be zero or more, e.g. --min-shard-size 0")
 
 
 def make_mesh(config):
@@ -57,7 +61,7 @@ def is_sharded(x):
 
 
 def shard_params(params, config):
-    """Box each large parameter as nn.Partitioned, naming 'data' on the axis it is split along.
+    """Box each parameter as nn.Partitioned, naming 'data' on the axis it is split along.
 
     The logical names are dropped but for 'layers', the axis that --scan-layers stacks the
     blocks along: nn.scan needs it named to hand each step of the scan one block's shards.
@@ -99,7 +103,8 @@ def gather_before_use(piece):
     The remat policy keeps every intermediate for the backward pass except the gathered
     parameters, which are gathered again: kept alive instead, every piece's full weights would
     be on every device at once. (XLA's CPU compiler drops remat's optimization barriers early
-    and merges the two gathers; the GPU compiler keeps them until after scheduling.)
+    and merges the two gathers, except in --scan-layers' loop; the GPU compiler keeps them
+    until after scheduling.)
     """
     piece = nn.map_variables(piece, "params", trans_in_fn=gather_params)
     return nn.remat(piece, policy=keep_all_but_gathered, static_argnums=(2,))
@@ -175,11 +180,11 @@ def main(config):
     first_batch = device_batch(common.host_batch(dataset, config, 0), mesh)
     compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
     layout = f"mesh data={mesh.shape['data']}, parameters and optimizer state sharded"
-    log = common.Logger(config, dataset, layout, compile_seconds)
+    log = common.Logger(config, dataset, layout, state, compiled, compile_seconds)
     try:
         for step in range(start, config.steps):
             batch = device_batch(common.host_batch(dataset, config, step), mesh)
-            state, metrics = step_fn(state, batch)
+            state, metrics = compiled(state, batch)  # the step the report describes
             log.log(step, metrics)
             if log.eval_due(step):
                 log.eval(step, eval_fn, state, eval_data)

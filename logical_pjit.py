@@ -74,8 +74,18 @@ class Config(common.Config):
                 size % self.axis_size(name) == 0,
                 "mesh",
                 f"splits '{name}' {self.axis_size(name)} ways under --rules {self.rules}, "
-                f"which does not divide its size {size}",
+                f"which does not divide its size {size}; {self.example()}",
             )
+
+    def example(self):
+        """A valid --heads, or else --d-model, for these rules and this mesh."""
+        split = self.axis_size("heads")
+        if self.heads % split:
+            heads = [h for h in range(split, self.d_model + 1, split) if self.d_model % h == 0]
+            return f"e.g. --heads {heads[0]}" if heads else f"e.g. --heads {split} --d-model {split * 32}"
+        for d_model in range(self.d_model, 16 * self.d_model + 1):
+            if d_model % self.heads == 0 and d_model % self.axis_size("embed") == 0:
+                return f"e.g. --d-model {d_model}"
 
 
 def make_mesh(config):
@@ -144,11 +154,11 @@ def main(config):
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
     layout = f"mesh data={mesh.shape['data']},model={mesh.shape['model']}, rules {config.rules}"
-    log = common.Logger(config, dataset, layout, compile_seconds)
+    log = common.Logger(config, dataset, layout, state, compiled, compile_seconds)
     try:
         for step in range(start, config.steps):
             batch = device_batch(common.host_batch(dataset, config, step), mesh, rules)
-            state, metrics = step_fn(state, batch)
+            state, metrics = compiled(state, batch)  # the step the report describes
             log.log(step, metrics)
             if log.eval_due(step):
                 with jax.set_mesh(mesh), nn.logical_axis_rules(rules):  # traced here the first time

@@ -2,10 +2,10 @@
 
 What is where: the devices form a ('data', 'model') mesh (--mesh, data=2,model=4 on 8
 devices). The batch is split by rows over 'data'. Inside each transformer block the weights
-are split over 'model' in the Megatron layout: the first matmul of attention (query, key,
-value) and of the MLP (fc1) by output columns, so each device owns some heads and some hidden
-units; the second (attn/out, fc2) by input rows, so each device turns its own heads and
-units into a partial sum. The table PARAM_SPECS says this per parameter path; it applies to
+are split over 'model' in the Megatron layout: the first matmul of attention (qkv, which
+makes each head's query, key and value) and of the MLP (fc1) by output columns, so each
+device owns some heads and some hidden units; the second (attn/out, fc2) by input rows, so
+each device turns its own heads and units into a partial sum. The table PARAM_SPECS says this per parameter path; it applies to
 the Adam moments too, whose paths end with the parameter's. Everything else is replicated.
 The step is written for one device, and jit partitions it from the shardings of its inputs
 and outputs (GSPMD), inserting the collectives itself.
@@ -46,7 +46,12 @@ class Config(common.Config):
     def validate(self):
         super().validate()
         model = common.mesh_shape(self.mesh, self.heads)["model"]
-        common.require(self.heads % model == 0, "mesh", f"model={model} must divide --heads {self.heads}")
+        auto = common.mesh_shape("auto", self.heads)
+        common.require(
+            self.heads % model == 0,
+            "mesh",
+            f"model={model} must divide --heads {self.heads}, e.g. --mesh data={auto['data']},model={auto['model']}",
+        )
 
 
 def make_mesh(config):
@@ -57,8 +62,7 @@ def make_mesh(config):
 
 # Parameter path pattern -> how its axes are split; the first match wins.
 PARAM_SPECS = (
-    (r"attn/(query|key|value)/kernel", P(None, "model")),  # [embed, heads x head_dim]
-    (r"attn/(query|key|value)/bias", P("model")),  # [heads x head_dim]
+    (r"attn/qkv/kernel", P(None, "model")),  # [embed, heads x (query, key, value) x head_dim]
     (r"attn/out/kernel", P("model", None)),  # [heads x head_dim, embed]
     (r"mlp/fc1/kernel", P(None, "model")),  # [embed, mlp]
     (r"mlp/fc1/bias", P("model")),  # [mlp]
@@ -124,11 +128,11 @@ def main(config):
     first_batch = device_batch(common.host_batch(dataset, config, 0), mesh)
     compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
     layout = f"mesh data={mesh.shape['data']},model={mesh.shape['model']}, Megatron tensor parallel"
-    log = common.Logger(config, dataset, layout, compile_seconds)
+    log = common.Logger(config, dataset, layout, state, compiled, compile_seconds)
     try:
         for step in range(start, config.steps):
             batch = device_batch(common.host_batch(dataset, config, step), mesh)
-            state, metrics = step_fn(state, batch)
+            state, metrics = compiled(state, batch)  # the step the report describes
             log.log(step, metrics)
             if log.eval_due(step):
                 log.eval(step, eval_fn, state, eval_data)

@@ -95,11 +95,11 @@ def main(config):
     first_batch = device_batch(common.host_batch(dataset, config, 0), mesh)
     compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
     layout = f"mesh data={mesh.shape['data']}, state replicated"
-    log = common.Logger(config, dataset, layout, compile_seconds)
+    log = common.Logger(config, dataset, layout, state, compiled, compile_seconds)
     try:
         for step in range(start, config.steps):
             batch = device_batch(common.host_batch(dataset, config, step), mesh)
-            state, metrics = step_fn(state, batch)
+            state, metrics = compiled(state, batch)  # the step the report describes
             log.log(step, metrics)
             if log.eval_due(step):
                 log.eval(step, eval_fn, state, eval_data)

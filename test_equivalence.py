@@ -136,10 +136,8 @@ def test_scanned_layers_match(name):
 def collectives(compiled):
     """{op: [replica groups of each instance]} for every collective in the compiled HLO."""
     found = {}
-    for line in compiled.as_text().splitlines():
-        op = re.search(r"\b(all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute)(-start)?\(", line)
-        if op:
-            found.setdefault(op.group(1), []).append(replica_groups(line))
+    for collective in common.hlo_collectives(compiled.as_text()):
+        found.setdefault(collective["op"], []).append(replica_groups(collective["line"]))
     return found
 
 
@@ -241,10 +239,11 @@ def primitive_count(jaxpr, name):
 
 
 def test_fsdp_gathers_again_for_the_backward_pass():
-    """Each sharded weight is all-gathered for the forward pass and again for the backward,
-    rather than kept alive in between; embedding tables only once, since an embedding's
-    gradient does not need its table. Counted in the program JAX hands to XLA: XLA's CPU
-    compiler merges the two gathers (see fsdp.gather_before_use)."""
+    """Each sharded matmul kernel is all-gathered for the forward pass and again for the
+    backward (its input gradient needs it), rather than kept alive in between. Every other
+    parameter only once: the backward pass of an embedding, a bias or a LayerNorm does not need
+    the parameter itself. Counted in the program JAX hands to XLA: XLA's CPU compiler merges
+    the two gathers of an unscanned block (see fsdp.gather_before_use)."""
     config = fsdp.Config(**SMALL)
     mesh, state = fsdp.make_mesh(config), run("fsdp").state
     spec = fsdp.mesh_specs(state)
@@ -259,10 +258,11 @@ def test_fsdp_gathers_again_for_the_backward_pass():
     batch = fsdp.device_batch(common.load_dataset(config).batch(0, 0, config.batch_size), mesh)
     leaves = jax.tree_util.tree_leaves_with_path(state.params, is_leaf=fsdp.is_sharded)
     sharded = [jax.tree_util.keystr(path) for path, p in leaves if fsdp.is_sharded(p)]
-    tables = [name for name in sharded if "embedding" in name]
-    assert len(sharded) >= 6 * SMALL["layers"] and tables
+    kernels = [name for name in sharded if name.endswith("['kernel']")]
+    assert len(kernels) == 4 * SMALL["layers"] + 1  # qkv, out, fc1, fc2 in every block; the head
     gathers = primitive_count(jax.make_jaxpr(step_fn)(state, batch).jaxpr, "all_gather")
-    assert gathers == 2 * len(sharded) - len(tables)
+    print(f"\nfsdp: {gathers} all-gathers for {len(sharded)} sharded parameters, {len(kernels)} of them kernels")
+    assert gathers == len(sharded) + len(kernels)
 
 
 def test_pjit_tp_splits_blocks_over_model():
@@ -270,8 +270,7 @@ def test_pjit_tp_splits_blocks_over_model():
     shapes, d = shard_shapes(result), SMALL["d_model"]
     for layer in range(SMALL["layers"]):
         block = f"block_{layer}"
-        for name in ("query", "key", "value"):
-            assert shapes[f"{block}/attn/{name}/kernel"] == (d, d // 4)
+        assert shapes[f"{block}/attn/qkv/kernel"] == (d, 3 * d // 4)
         assert shapes[f"{block}/attn/out/kernel"] == (d // 4, d)
         assert shapes[f"{block}/mlp/fc1/kernel"] == (d, 4 * d // 4)
         assert shapes[f"{block}/mlp/fc2/kernel"] == (4 * d // 4, d)
@@ -301,6 +300,218 @@ def test_logical_rules_decide_the_layout(rules, fc1_shard, collective):
     if rules in ("fsdp", "fsdp_tp"):
         total, per_device = state_bytes(result.state)
         print(f"\nlogical {rules}: {per_device / total * DEVICES:.3f} x total/8 bytes on device 0")
+
+
+# ----------------------------------------------------------------------------------------------
+# What each strategy costs: the end-of-run report and the structure theory promises
+# ----------------------------------------------------------------------------------------------
+
+REPORT_KEYS = {
+    "tokens_per_sec", "step_seconds", "compile_seconds", "param_count", "flops_per_token", "mfu",
+    "state_bytes_total", "state_bytes_per_device", "compiled_argument_bytes", "compiled_temp_bytes", "collectives",
+}  # fmt: skip
+
+
+def cost(name, **overrides):
+    summary = run(name, **overrides).summary
+    return summary, {op: c["bytes"] for op, c in summary["collectives"].items()}
+
+
+def test_report_measures_the_real_arrays(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    result = run_uncached("fsdp", steps=2, metrics_file=str(metrics))
+    summary = json.loads(metrics.read_text().splitlines()[-1])["summary"]
+    assert REPORT_KEYS <= set(summary) and summary == json.loads(json.dumps(result.summary))
+    assert summary["mfu"] is None  # no known peak for a CPU
+    assert set(summary["collectives"]) == set(common.COLLECTIVES)
+    # The state's bytes from the arrays themselves, independently of the report's code.
+    for name in ("shardmap_dp", "fsdp", "pjit_tp", "logical_fsdp_tp"):
+        total, per_device = state_bytes(run(name).state)
+        assert (run(name).summary["state_bytes_total"], run(name).summary["state_bytes_per_device"]) == (
+            total,
+            per_device,
+        ), name
+    config = common.Config(**SMALL)
+    n, d, t = summary["param_count"], config.d_model, config.seq_len
+    tables = (common.VOCAB_SIZE + t) * d
+    assert summary["flops_per_token"] == 6 * (n - tables) + 12 * config.layers * t * d
+
+
+HLO = """HloModule step
+%body (p: (s32[], f32[8,4])) -> (s32[], f32[8,4]) {
+  %p = (s32[], f32[8,4]) parameter(0)
+  %x = f32[8,4]{1,0} get-tuple-element(%p), index=1
+  %g = f32[64,4]{1,0} all-gather(%x), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  ROOT %t = (s32[], f32[8,4]) tuple(%i, %x)
+}
+%cond (p: (s32[], f32[8,4])) -> pred[] {
+  ROOT %c = pred[] constant(true)
+}
+ENTRY %main (a: f32[8,4], b: bf16[16]) -> f32[8,4] {
+  %a = f32[8,4]{1,0} parameter(0)
+  %b = bf16[16]{0} parameter(1)
+  %s = f32[8,4]{1,0} all-reduce-start(%a), replica_groups={{0,1}}, to_apply=%add
+  %d = f32[8,4]{1,0} all-reduce-done(%s)
+  %r = bf16[2]{0} reduce-scatter(%b), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %w = (s32[], f32[8,4]) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %o = f32[8,4]{1,0} copy(%d)
+}
+"""
+
+
+def test_collectives_are_counted_per_step_and_device():
+    """Hand-written HLO: an op in a while loop runs once per iteration; an async pair is one op;
+    bytes are the larger of operands and result."""
+    found = {c["op"]: (c["runs"], c["bytes"]) for c in common.hlo_collectives(HLO)}
+    assert found == {"all-gather": (3, 64 * 4 * 4), "all-reduce": (1, 8 * 4 * 4), "reduce-scatter": (1, 16 * 2)}
+
+
+@pytest.mark.parametrize("name", ["fsdp", "pjit_tp", "logical_fsdp_tp"])
+def test_scanned_layers_cost_the_same_communication(name):
+    """With --scan-layers the blocks' collectives sit in a while loop; counted per iteration,
+    a step moves the same bytes as unscanned."""
+    scanned, unscanned = cost(name, scan_layers=True)[1], cost(name)[1]
+    if name != "pjit_tp":  # the two that gather weights over 'data'
+        # XLA's CPU compiler merges an unscanned block's forward and backward all-gathers (see
+        # fsdp.gather_before_use) but keeps them apart inside the scan: there, every block
+        # kernel is gathered a second time for the backward pass, as ZeRO-3 intends. With
+        # fsdp_tp, each device gathers only its 'model' part of a kernel.
+        params = jax.tree_util.tree_leaves_with_path(reference()[1].params)
+        kernels = sum(
+            x.nbytes for path, x in params if "block_" in jax.tree_util.keystr(path) and path[-1].key == "kernel"
+        )
+        model_parts = 4 if name == "logical_fsdp_tp" else 1
+        assert scanned.pop("all-gather") == unscanned.pop("all-gather") + kernels // model_parts
+    assert scanned == unscanned
+
+
+@pytest.mark.parametrize("name", ["pmap_dp", "shardmap_dp"])
+def test_data_parallel_reduces_the_gradients_once(name):
+    summary, moved = cost(name)
+    print(f"\n{name}: all-reduce {moved['all-reduce']:,} bytes, parameters {summary['param_bytes']:,}")
+    assert abs(moved["all-reduce"] / summary["param_bytes"] - 1) <= 0.10
+    assert sum(moved.values()) == moved["all-reduce"]
+
+
+def test_fsdp_moves_each_parameter_twice_at_most():
+    summary, moved = cost("fsdp")
+    params = summary["param_bytes"]
+    print(
+        f"\nfsdp: all-gather {moved['all-gather'] / params:.2f} x, reduce-scatter {moved['reduce-scatter'] / params:.2f} x"
+        f" parameter bytes; state {summary['state_bytes_per_device'] * DEVICES / summary['state_bytes_total']:.3f}"
+        " x total/8 per device"
+    )
+    assert params <= moved["all-gather"] <= 2 * params
+    assert abs(moved["reduce-scatter"] / params - 1) <= 0.10
+    assert moved["all-reduce"] < 0.01 * params  # only the metrics
+    assert abs(summary["state_bytes_per_device"] * DEVICES / summary["state_bytes_total"] - 1) <= 0.05
+
+
+def test_fsdp_state_per_device_scales_as_one_over_n(tmp_path):
+    """The default model on 2, 4, 8 and 16 emulated devices: state bytes per device within 5%
+    of total / N."""
+    ratios = {}
+    for n in (2, 4, 8, 16):
+        metrics = tmp_path / f"{n}.jsonl"
+        done = run_script(
+            "fsdp", tmp_path, "--steps=1", "--eval-every=0", f"--cpu-devices={n}", f"--metrics-file={metrics}"
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        summary = json.loads(metrics.read_text().splitlines()[-1])["summary"]
+        ratios[n] = summary["state_bytes_per_device"] * n / summary["state_bytes_total"]
+    print(f"\nfsdp, default model: state per device x N / total = {ratios}")
+    assert all(abs(ratio - 1) <= 0.05 for ratio in ratios.values())
+
+
+@pytest.mark.parametrize("name", ["pjit_tp", "logical_tp"])
+def test_tensor_parallelism_is_megatron(name):
+    """Per block, two all-reduces of an activation over 'model' forward (after attn/out and
+    fc2) and two backward (the input gradients of qkv and fc1); no weight is all-gathered; the
+    only other collective is the data-parallel gradient all-reduce."""
+    summary, moved = cost(name)
+    activation = SMALL["batch_size"] // 2 * SMALL["seq_len"] * SMALL["d_model"] * 4  # float32, data=2
+    by_group = {}
+    for c in common.hlo_collectives(run(name).compiled.as_text()):
+        groups = frozenset(replica_groups(c["line"]) or ())
+        by_group.setdefault((c["op"], groups), []).append(c["bytes"] * c["runs"])
+    model_reduces = by_group.pop(("all-reduce", frozenset(MODEL_GROUPS)))
+    gradient_reduces = by_group.pop(("all-reduce", frozenset(DATA_GROUPS)))
+    print(f"\n{name}: {len(model_reduces)} activation all-reduces over model, {len(gradient_reduces)} over data")
+    assert model_reduces == [activation] * 4 * SMALL["layers"]
+    assert len(gradient_reduces) >= 1 and not by_group, by_group
+    assert moved["all-gather"] < 0.1 * summary["param_bytes"]
+
+
+def test_remat_matches_and_keeps_less_for_the_backward_pass():
+    """--remat gives the same numbers, and JAX keeps fewer bytes between the forward and the
+    backward pass: the residuals of the loss's VJP, for one device's rows."""
+    for name in ("shardmap_dp", "fsdp", "logical_fsdp_tp"):
+        compare(f"{name} --remat", run(name, remat=True), *reference())
+
+    def residual_bytes(**overrides):
+        config = common.Config(**{**SMALL, **overrides})
+        model, tokens = (
+            common.GPT(config),
+            jax.numpy.zeros((SMALL["batch_size"] // DEVICES, config.seq_len + 1), "int32"),
+        )
+        params = nn.unbox(common.init_params(config, jax.random.key(0)))
+        vjp = jax.eval_shape(lambda p: jax.vjp(lambda p: common.loss_fn(p, model.apply, tokens, None)[0], p)[1], params)
+        return sum(map(common.nbytes, jax.tree.leaves(vjp)))
+
+    kept, remat = residual_bytes(), residual_bytes(remat=True)
+    print(f"\n--remat: {kept:,} -> {remat:,} bytes kept for the backward pass")
+    assert remat < 0.7 * kept
+
+
+def test_scanned_compile_time_does_not_grow_with_layers(tmp_path):
+    """logical_pjit.py --scan-layers compiles one block whatever --layers says. Measured in
+    fresh processes without the test session's compilation cache."""
+    seconds = {}
+    for layers in (2, 12):
+        metrics = tmp_path / f"{layers}.jsonl"
+        flags = as_flags({**SMALL, "steps": 1, "layers": layers, "metrics_file": metrics})
+        copy_alone("logical_pjit", tmp_path)
+        env = {**os.environ, "JAX_ENABLE_COMPILATION_CACHE": "false"}
+        done = subprocess.run(
+            [sys.executable, "logical_pjit.py", *flags, "--scan-layers"], cwd=tmp_path, env=env, capture_output=True,
+            text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        seconds[layers] = json.loads(metrics.read_text().splitlines()[-1])["summary"]["compile_seconds"]
+    print(f"\nlogical_pjit --scan-layers compile: 2 layers {seconds[2]:.2f}s, 12 layers {seconds[12]:.2f}s")
+    assert seconds[12] <= 1.5 * seconds[2]
+
+
+def test_show_sharding_prints_every_parameter(tmp_path):
+    done = run_script("fsdp", tmp_path, *TINY, "--show-sharding")
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = dict(
+        (line.split()[0], line.split()[1:])
+        for line in done.stdout.splitlines()
+        if line.startswith(("block_", "embed/", "head/")) and not line.endswith("over the devices:")
+    )
+    config = fsdp.Config(steps=3, batch_size=8, seq_len=16, layers=1, d_model=32)
+    expected = jax.eval_shape(lambda: nn.unbox(common.init_params(config, jax.random.key(0))))
+    names = [
+        jax.tree_util.keystr(path, simple=True, separator="/")
+        for path, _ in jax.tree_util.tree_leaves_with_path(expected)
+    ]
+    assert sorted(table) == sorted(names)
+    fc1 = " ".join(table["block_0/mlp/fc1/kernel"])
+    assert "(32, 128)" in fc1 and "'data'" in fc1 and fc1.endswith(f"{32 * 128 * 4 // DEVICES:,}")
+    assert "block_0/mlp/fc1/kernel (32, 128) over the devices" in done.stdout  # the drawing's title
+
+
+def test_benchmark_writes_the_table_and_the_picture(tmp_path):
+    done = subprocess.run(
+        [sys.executable, ROOT / "benchmarks" / "benchmark.py", "--only", "shardmap_dp,fsdp", "--no-readme",
+         "--out", tmp_path, "--", *TINY, "--eval-every", "2"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line for line in (tmp_path / "results.md").read_text().splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows] == ["| strategy", "| shardmap_dp", "| fsdp"]
+    assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -453,6 +664,102 @@ def run_script(script, tmp_path, *flags):
     )
 
 
+COMPILATIONS = []  # every XLA compilation in this process
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **_: COMPILATIONS.append(event) if event.endswith("backend_compile_duration") else None
+)
+MESH_SCRIPTS = ("pjit_tp", "logical_pjit")
+# (flags, the scripts they apply to, what the one-line error must say). Every message names the
+# flag and gives a valid example ("e.g."), except argparse's own for unknown flags and values.
+BAD_INPUTS = [
+    (["--batch-size", "9"], SCRIPTS, "--batch-size must be divisible by"),
+    (["--batch-size", "16", "--microbatches", "4"], ("shardmap_dp", "fsdp"), "8 batch shards x 4 micro-batches"),
+    (["--mesh", "data=3,model=2"], MESH_SCRIPTS, "--mesh data=3,model=2 has 6 devices, not 8"),
+    (["--mesh", "data=8"], MESH_SCRIPTS, "--mesh data=8 must name the axes data and model"),
+    (["--mesh", "eight"], MESH_SCRIPTS, "--mesh eight is not axis=size pairs"),
+    (["--heads", "6", "--d-model", "96", "--mesh", "data=2,model=4"], ("pjit_tp",), "model=4 must divide --heads 6"),
+    (["--heads", "6", "--d-model", "96", "--mesh", "data=2,model=4"], ("logical_pjit",), "splits 'heads' 4 ways"),
+    (["--d-model", "36", "--rules", "fsdp"], ("logical_pjit",), "splits 'embed' 8 ways under --rules fsdp"),
+    (["--d-model", "100", "--heads", "8"], SCRIPTS, "--heads must divide --d-model 100"),
+    (["--steps", "0"], SCRIPTS, "--steps must be positive"),
+    (["--layers", "0"], SCRIPTS, "--layers must be positive"),
+    (["--seq-len", "-1"], SCRIPTS, "--seq-len must be positive"),
+    (["--lr", "0"], SCRIPTS, "--lr must be positive"),
+    (["--cpu-devices", "0"], SCRIPTS, "--cpu-devices must be positive"),
+    (["--microbatches", "0"], ("pmap_dp",), "--microbatches must be positive"),
+    (["--log-every", "0"], ("pmap_dp",), "--log-every must be positive"),
+    (["--dropout", "1"], ("pmap_dp",), "--dropout must be in [0, 1)"),
+    (["--warmup-steps", "-1"], ("pmap_dp",), "--warmup-steps must be zero or more"),
+    (["--min-shard-size", "-1"], ("fsdp",), "--min-shard-size must be zero or more"),
+    (["--dtype", "float16"], SCRIPTS, "argument --dtype: invalid choice: 'float16'"),
+    (["--rules", "zero3"], ("logical_pjit",), "argument --rules: invalid choice: 'zero3'"),
+    (["--dataset", "no_such_dataset"], ("shardmap_dp",), "--dataset no_such_dataset is neither"),
+    (["--metrics-file", "FILE/metrics.jsonl"], SCRIPTS, "--metrics-file FILE/metrics.jsonl cannot be written"),
+    (["--metrics-file", "FOLDER"], ("fsdp",), "--metrics-file FOLDER is a folder"),
+    (["--checkpoint-dir", "FILE/ckpt"], ("fsdp",), "--checkpoint-dir FILE/ckpt cannot be written"),
+    (["--stepz", "3"], SCRIPTS, "unrecognized arguments: --stepz 3"),
+    (["--steps", "three"], ("pmap_dp",), "argument --steps: invalid int value: 'three'"),
+    (["--num-processes", "2"], ("pmap_dp",), "--num-processes and --process-id need --coordinator-address"),
+    (["--coordinator-address", "localhost", "--num-processes", "2"], ("pmap_dp",), "must be host:port"),
+    (["--coordinator-address", "localhost:1", "--num-processes", "2", "--process-id", "2"], ("pmap_dp",),
+     "--process-id must be in 0..1"),
+    (["--heartbeat-timeout", "0", "--coordinator-address", "localhost:1"], ("pmap_dp",), "--heartbeat-timeout must"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "script, flags, message",
+    [(script, flags, message) for flags, scripts, message in BAD_INPUTS for script in scripts],
+    ids=[f"{script} {' '.join(flags)}" for flags, scripts, _ in BAD_INPUTS for script in scripts],
+)
+def test_bad_input_exits_2_with_one_line(script, flags, message, tmp_path, capsys):
+    """Each bad flag through the script's own command-line parsing, in this process: exit 2,
+    one line on stderr naming the flag, nothing on stdout, nothing compiled."""
+    (tmp_path / "FILE").write_text("")  # a file, under which nothing can be created
+    (tmp_path / "FOLDER").mkdir()
+    flags = [str(tmp_path / f) if f.startswith(("FILE", "FOLDER")) else f for f in flags]
+    message = message.replace("FILE", str(tmp_path / "FILE")).replace("FOLDER", str(tmp_path / "FOLDER"))
+    module = SCRIPTS[script]
+    compiled_before = len(COMPILATIONS)
+    with pytest.raises(SystemExit) as exit_info:
+        common.parse_config(module.Config, module.__doc__, [*TINY, *flags])
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+    if "invalid" not in message and "unrecognized" not in message:
+        assert "e.g." in err, err
+    assert len(COMPILATIONS) == compiled_before
+
+
+@pytest.mark.parametrize("name", DEFAULTS.values())
+def test_same_flags_same_losses_bitwise(name):
+    """Two runs with the same flags and seed, dropout on: identical losses, bit for bit."""
+    first, second = run(name, dropout=0.1).losses, run_uncached(name, dropout=0.1).losses
+    assert first == second and len(first) == SMALL["steps"]
+
+
+def test_debug_nans_turns_on_jax_nan_checks(tmp_path):
+    """With --debug-nans, JAX's own check stops the first step whose output holds a NaN (and
+    re-runs it op by op to name the operation when it can), before the loss check would."""
+    done = run_script("shardmap_dp", tmp_path, *TINY, "--steps", "50", "--lr", "1e6", "--debug-nans")
+    assert done.returncode != 0
+    assert re.search(r"FloatingPointError: .*nan", done.stderr), done.stderr[-3000:]
+    assert "stopped: the loss is nan" not in done.stderr
+
+
+def test_unreachable_coordinator_fails_in_bounded_time(tmp_path):
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start = time.monotonic()
+    done = run_script("fsdp", tmp_path, *TINY, f"--coordinator-address=127.0.0.1:{port}", "--num-processes=2",
+                      "--process-id=1", "--heartbeat-timeout=3")  # fmt: skip
+    waited = time.monotonic() - start
+    assert done.returncode == 1 and waited < 30
+    assert f"cannot reach the coordinator at 127.0.0.1:{port} after 3s" in done.stderr.strip().splitlines()[-1]
+    assert "Traceback" not in done.stderr and "compiled" not in done.stdout
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_bad_batch_size_exits_2_with_one_line(script, tmp_path):
     done = run_script(script, tmp_path, *TINY, "--batch-size", "9")  # no mesh here splits 9 rows
@@ -460,6 +767,18 @@ def test_bad_batch_size_exits_2_with_one_line(script, tmp_path):
     assert done.stdout == ""
     assert len(done.stderr.strip().splitlines()) == 1 and "--batch-size" in done.stderr, done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_readme_transitions_match_the_scripts():
+    """README.md's diff excerpts, one per neighbouring pair, are what tools/transitions.py makes
+    from the scripts today."""
+    done = subprocess.run(
+        [sys.executable, ROOT / "tools" / "transitions.py", "--check"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    readme = (ROOT / "README.md").read_text()
+    pairs = re.findall(r"<!-- diff (\S+) (\S+):", readme)
+    assert pairs == [(f"{a}.py", f"{b}.py") for a, b in zip(list(SCRIPTS)[:-1], list(SCRIPTS)[1:], strict=True)]
 
 
 def test_help_lists_every_flag(tmp_path):
@@ -659,7 +978,7 @@ def test_checkpoint_of_another_model_exits_2(tmp_path):
     done = run_script("fsdp", tmp_path, *TINY, "--checkpoint-dir", "ckpt")  # d_model 32, 1 layer
     assert done.returncode == 2 and "Traceback" not in done.stderr
     error = done.stderr.strip().splitlines()[-1]
-    assert "holds another model: block_0/attn/key/kernel is (64, 64) there but (32, 32) here" in error, error
+    assert "holds another model: block_0/attn/out/bias is (64,) there but (32,) here" in error, error
 
 
 def test_unwritable_checkpoint_dir_exits_2(tmp_path):
