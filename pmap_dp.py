@@ -111,7 +111,7 @@ def main(config):
     try:
         for step in range(start, config.steps):
             batch = device_batch(common.host_batch(dataset, config, step))
-            state, metrics = compiled(state, batch)  # the step the report describes
+            state, metrics = step_fn(state, batch)  # not `compiled`: it wants all processes' rows
             log.log(step, metrics)
             if log.eval_due(step):
                 log.eval(step, eval_fn, state, eval_data)
