@@ -975,23 +975,21 @@ def cost_report(config: Config, state, compiled) -> dict:
 def show_sharding(params):
     """Print each parameter's path, shape, PartitionSpec and bytes per device, then draw one
     parameter's layout over the devices."""
-    device, rows = jax.local_devices()[0], []
-    for path, x in jax.tree_util.tree_leaves_with_path(nn.unbox(params)):
-        spec = getattr(x.sharding, "spec", x.sharding)
-        rows.append(
-            (
-                jax.tree_util.keystr(path, simple=True, separator="/"),
-                str(x.shape),
-                str(spec),
-                bytes_on_device(x, device),
-            )
-        )
+    device = jax.local_devices()[0]
+    leaves = [
+        (jax.tree_util.keystr(path, simple=True, separator="/"), x)
+        for path, x in jax.tree_util.tree_leaves_with_path(nn.unbox(params))
+    ]
+    rows = [
+        (name, str(x.shape), str(getattr(x.sharding, "spec", x.sharding)), bytes_on_device(x, device))
+        for name, x in leaves
+    ]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     print("parameter".ljust(widths[0]), "shape".ljust(widths[1]), "spec".ljust(widths[2]), "bytes/device")
     for name, shape, spec, size in rows:
         print(name.ljust(widths[0]), shape.ljust(widths[1]), spec.ljust(widths[2]), f"{size:,}")
     # The drawing: block 0's fc1 kernel, which every strategy but data parallelism splits.
-    drawable = {name: x for (name, *_), x in zip(rows, jax.tree.leaves(nn.unbox(params)), strict=True) if x.ndim == 2}
+    drawable = {name: x for name, x in leaves if x.ndim == 2}
     name = next(
         (n for n in drawable if n.endswith("mlp/fc1/kernel")),
         max(drawable, key=lambda n: drawable[n].size, default=None),
