@@ -1084,7 +1084,7 @@ class Logger:
             f"{len(devices)} {devices[0].platform} devices in {jax.process_count()} process(es) | "
             f"{layout} | {self.cost['param_count'] / 1e6:.2f}M parameters\n"
             f"batch {config.batch_size} x {config.seq_len} tokens "
-            f"({config.batch_size // config.batch_shards()} sequences per device) | "
+            f"({config.batch_size // config.batch_shards()} per device) | "
             f"{dataset.describe()}\n"
             f"compiled the train step in {compile_seconds:.1f}s"
         )
