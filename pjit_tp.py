@@ -5,8 +5,9 @@ devices). The batch is split by rows over 'data'. Inside each transformer block 
 are split over 'model' in the Megatron layout: the first matmul of attention (qkv, which
 makes each head's query, key and value) and of the MLP (fc1) by output columns, so each
 device owns some heads and some hidden units; the second (attn/out, fc2) by input rows, so
-each device turns its own heads and units into a partial sum. The table PARAM_SPECS says this per parameter path; it applies to
-the Adam moments too, whose paths end with the parameter's. Everything else is replicated.
+each device turns its own heads and units into a partial sum. The table PARAM_SPECS says
+this per parameter path; it applies to the Adam moments too, whose paths end with the
+parameter's. Everything else is replicated.
 The step is written for one device, and jit partitions it from the shardings of its inputs
 and outputs (GSPMD), inserting the collectives itself.
 Collectives per step: per block, an all-reduce over 'model' of the partial sums after attn/out
