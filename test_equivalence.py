@@ -831,6 +831,17 @@ def cluster(script, tmp_path, flags, heartbeat=30):
                 proc.wait()
 
 
+def wait_ok(procs, tmp_path, timeout=600):
+    """Wait for every process of a cluster; if one fails, show what each one printed."""
+    codes = [proc.wait(timeout=timeout) for proc in procs]
+    logs = [(tmp_path / f"process{i}.log").read_text() for i in range(len(procs))]
+    assert codes == [0] * len(procs), "\n".join(
+        f"--- process {i} exited {code}, its last lines:\n{log[-4000:]}"
+        for i, (code, log) in enumerate(zip(codes, logs, strict=True))
+    )
+    return logs
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_two_processes_match_one(script, tmp_path):
     """Each script from the command line, copied alone into a folder, as 2 processes x 4
@@ -840,9 +851,7 @@ def test_two_processes_match_one(script, tmp_path):
     steps = SMALL["warmup_steps"]
     flags = as_flags({**SMALL, "steps": steps, "log_every": 1, "metrics_file": metrics})
     with cluster(script, tmp_path, flags) as procs:
-        codes = [proc.wait(timeout=600) for proc in procs]
-    logs = [(tmp_path / f"process{i}.log").read_text() for i in range(PROCESSES)]
-    assert codes == [0] * PROCESSES, logs
+        logs = wait_ok(procs, tmp_path)
     assert f"step {steps}/{steps}" in logs[0] and "step " not in logs[1]  # only process 0 reports
     assert f"in {PROCESSES} process(es)" in logs[0]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -1006,10 +1015,10 @@ def test_two_processes_resume(script, tmp_path):
     ckpt = tmp_path / "ckpt"
     flags = as_flags({**SMALL, "steps": 10, "log_every": 1, "checkpoint_dir": ckpt, "checkpoint_every": 5})
     with cluster(script, tmp_path, flags + [f"--metrics-file={tmp_path / 'first.jsonl'}"]) as procs:
-        assert [p.wait(timeout=600) for p in procs] == [0, 0]
+        wait_ok(procs, tmp_path)
     shutil.rmtree(ckpt / "10")
     with cluster(script, tmp_path, flags + [f"--metrics-file={tmp_path / 'resumed.jsonl'}"]) as procs:
-        assert [p.wait(timeout=600) for p in procs] == [0, 0]
+        wait_ok(procs, tmp_path)
     first, resumed = (
         [json.loads(line) for line in (tmp_path / name).read_text().splitlines()][:-1]
         for name in ("first.jsonl", "resumed.jsonl")
