@@ -868,8 +868,6 @@ def once_more_after_runtime_abort(test):
 
     return wrapper
 
-    return wrapper
-
 
 @pytest.mark.parametrize("script", SCRIPTS)
 @once_more_after_runtime_abort
