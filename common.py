@@ -1,7 +1,9 @@
-"""Plumbing shared by the five strategy scripts.
+"""What the strategy scripts share, and never a strategy.
 
-Config and command line, device setup, the GPT model, the data, the train state, the loss,
-gradient accumulation, compilation and logging. Nothing here decides how work is split across
+Read top to bottom: the Config (every flag), the GPT model, the data, the TrainState with its
+optimizer, loss and gradient accumulation. These are what every script is built from. Below
+the PLUMBING banner: the command line and its checks, devices and several processes,
+checkpoints, the cost report, and logging. Nothing here decides how work is split across
 devices: that is what each script teaches, so it lives in the script.
 """
 
@@ -14,6 +16,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import time
 import typing
 from collections.abc import Callable
@@ -31,17 +34,13 @@ VOCAB_SIZE = 256  # the synthetic source's tokens; also every byte value, for by
 
 
 # ----------------------------------------------------------------------------------------------
-# Config and command line
+# Config: every flag of every script, with its default and its --help text
 # ----------------------------------------------------------------------------------------------
 
 
 def arg(default, help, **argparse_kwargs):
     """A Config field that is also a command-line flag: its default and its --help text."""
     return dataclasses.field(default=default, metadata={"help": help, **argparse_kwargs})
-
-
-class ConfigError(ValueError):
-    """A bad flag. The command line reports it as one line and exit status 2."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,190 +87,8 @@ class Config:
         return jax.device_count()
 
     def validate(self):
-        """Raise ConfigError naming the first bad flag. Runs before anything is compiled."""
-
-        def example(name):  # the default is always a valid value
-            return f"e.g. --{name.replace('_', '-')} {getattr(type(self), name)}"
-
-        positive = (
-            "steps", "batch_size", "seq_len", "layers", "d_model", "heads", "microbatches", "log_every",
-            "eval_batches", "checkpoint_every", "keep", "lr",
-        )  # fmt: skip
-        for name in positive:
-            require(getattr(self, name) > 0, name, f"must be positive, {example(name)}")
-        for name in ("warmup_steps", "seed", "eval_every", "weight_decay"):
-            require(getattr(self, name) >= 0, name, f"must be zero or more, {example(name)}")
-        require(0 <= self.dropout < 1, "dropout", f"must be in [0, 1), {example('dropout')}")
-        require(self.dtype in ("float32", "bfloat16"), "dtype", "must be float32 or bfloat16, e.g. --dtype bfloat16")
-        require(
-            self.d_model % self.heads == 0,
-            "heads",
-            f"must divide --d-model {self.d_model}, e.g. --heads {math.gcd(self.d_model, 4)}",
-        )
-        shards = self.batch_shards() * self.microbatches
-        require(
-            self.batch_size % shards == 0,
-            "batch_size",
-            f"must be divisible by {self.batch_shards()} batch shards x {self.microbatches} "
-            f"micro-batches, e.g. --batch-size {max(1, self.batch_size // shards) * shards}",
-        )
-        require(
-            (self.num_processes, self.process_id) == (1, 0) or self.coordinator_address or self.distributed,
-            "num_processes",
-            "and --process-id need --coordinator-address host:port of process 0, e.g. --coordinator-address 10.0.0.1:1234",
-        )
-        for name, path in (("metrics_file", self.metrics_file), ("checkpoint_dir", self.checkpoint_dir)):
-            if path:  # the first folder that exists on the way must take new files
-                folder = os.path.abspath(path) if name == "checkpoint_dir" else os.path.dirname(os.path.abspath(path))
-                while not os.path.exists(folder):
-                    folder = os.path.dirname(folder)
-                writable = os.path.isdir(folder) and os.access(folder, os.W_OK)
-                require(
-                    writable, name, f"{path} cannot be written: {folder} is not a writable folder, e.g. --{name} run/"
-                )
-        require(
-            not (self.metrics_file and os.path.isdir(self.metrics_file)),
-            "metrics_file",
-            f"{self.metrics_file} is a folder; give a file in it, e.g. --metrics-file {self.metrics_file}/metrics.jsonl",
-        )
-
-
-def require(ok, name, message):
-    """Raise ConfigError for flag --name unless ok."""
-    if not ok:
-        raise ConfigError(f"--{name.replace('_', '-')} {message}")
-
-
-def mesh_shape(text: str, heads: int) -> dict:
-    """--mesh 'data=2,model=4' -> {'data': 2, 'model': 4}. 'auto' puts up to 4 devices (at most
-    half of them, and a divisor of --heads) on 'model' and the rest on 'data'."""
-    n = jax.device_count()
-    if text == "auto":
-        model = max(m for m in (1, 2, 4) if n % m == 0 and heads % m == 0 and m <= max(1, n // 2))
-        return {"data": n // model, "model": model}
-    example = f"e.g. --mesh data={max(1, n // 2)},model={min(2, n)}"
-    try:
-        shape = {name: int(size) for name, size in (item.split("=") for item in text.split(","))}
-    except ValueError:
-        raise ConfigError(f"--mesh {text} is not axis=size pairs, {example}") from None
-    require(sorted(shape) == ["data", "model"], "mesh", f"{text} must name the axes data and model, {example}")
-    require(min(shape.values()) > 0, "mesh", f"{text} has an axis of size < 1, {example}")
-    require(
-        math.prod(shape.values()) == n, "mesh", f"{text} has {math.prod(shape.values())} devices, not {n}; {example}"
-    )
-    return shape
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line instead of argparse's usage block
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
-class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass  # the script's docstring as written, then every flag with its default
-
-
-def parse_config(config_class=Config, doc: str | None = None, argv: list | None = None) -> Config:
-    """Build the command line from the Config fields, parse it, and set up JAX. Bad input exits 2."""
-    parser = _Parser(description=doc, formatter_class=_HelpFormatter)
-    hints = typing.get_type_hints(config_class)
-    for field in dataclasses.fields(config_class):
-        flag, kind = "--" + field.name.replace("_", "-"), hints[field.name]
-        options = dict(field.metadata)
-        if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
-        else:
-            kind = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))
-            metavar = None if "choices" in options else kind.__name__.upper()
-            parser.add_argument(flag, type=kind, metavar=metavar, **options)
-        parser.set_defaults(**{field.name: field.default})
-    config = config_class(**vars(parser.parse_args(argv)))
-    try:
-        setup(config)
-    except ConfigError as error:
-        parser.error(str(error))
-    return config
-
-
-# ----------------------------------------------------------------------------------------------
-# Devices
-# ----------------------------------------------------------------------------------------------
-
-
-def setup(config: Config):
-    """Start JAX on the right devices, then check the flags. Call before touching any device."""
-    require(config.cpu_devices > 0, "cpu_devices", "must be positive, e.g. --cpu-devices 8")
-    try:
-        # Only affects the CPU backend, so it is harmless on GPU/TPU hosts, whose real devices
-        # are used unchanged. It must run before JAX starts a backend.
-        jax.config.update("jax_num_cpu_devices", config.cpu_devices)
-    except RuntimeError:  # JAX already started in this process (tests call main() repeatedly)
-        if jax.default_backend() == "cpu" and jax.local_device_count() != config.cpu_devices:
-            raise ConfigError(
-                f"--cpu-devices {config.cpu_devices}: this process already started JAX with "
-                f"{jax.local_device_count()} CPU devices"
-            ) from None
-    jax.config.update("jax_debug_nans", config.debug_nans)
-    if (config.coordinator_address or config.distributed) and not jax.distributed.is_initialized():
-        _start_distributed(config)
-    config.validate()
-    load_dataset(config)  # a dataset that cannot be read is bad input too
-    check_checkpoint(config)  # and so is a checkpoint of another model
-
-
-def _start_distributed(config: Config):
-    """Join the other processes. Every process runs the same program on its own devices; jit,
-    shard_map and pmap collectives then span all of them."""
-    if config.distributed:  # JAX reads the cluster from its environment (Cloud TPU, SLURM, ...)
-        require(not config.coordinator_address, "distributed", "and --coordinator-address exclude each other: give one")
-        address, processes, process_id = None, None, None
-    else:
-        host, _, port = config.coordinator_address.rpartition(":")
-        require(host and port.isdigit(), "coordinator_address", "must be host:port, e.g. 10.0.0.1:1234")
-        require(config.num_processes > 0, "num_processes", "must be positive, e.g. --num-processes 2")
-        require(
-            0 <= config.process_id < config.num_processes,
-            "process_id",
-            f"must be in 0..{config.num_processes - 1}, e.g. --process-id 0",
-        )
-        address, processes, process_id = config.coordinator_address, config.num_processes, config.process_id
-        if process_id:
-            _wait_for_coordinator(host, int(port), config.heartbeat_timeout)
-    require(config.heartbeat_timeout > 0, "heartbeat_timeout", "must be positive, e.g. --heartbeat-timeout 60")
-    # CPU processes exchange collectives through gloo (TCP); GPUs and TPUs use their own links.
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(
-        address,
-        processes,
-        process_id,
-        initialization_timeout=config.heartbeat_timeout,
-        # If a process dies, the runtime stops the others once its heartbeats are missing for
-        # this long (or at once if it was process 0); a process that exits on an error waits
-        # at most this long for the others at shutdown. Either way, no process hangs.
-        heartbeat_timeout_seconds=config.heartbeat_timeout,
-        shutdown_timeout_seconds=config.heartbeat_timeout,
-    )
-
-
-def _wait_for_coordinator(host: str, port: int, timeout: float):
-    """Wait until process 0 listens at host:port. JAX's own wait ends in a C++ abort with a
-    stack trace; this one ends in a line naming the address."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=1):
-                return
-        except OSError as error:
-            if time.monotonic() > deadline:
-                raise SystemExit(
-                    f"error: cannot reach the coordinator at {host}:{port} after {timeout}s ({error.strerror or error}); "
-                    "start process 0 with the same --coordinator-address, and check the host, the port and firewalls"
-                ) from None
-            time.sleep(0.5)
-
-
-def is_main_process() -> bool:
-    return jax.process_index() == 0
+        """Raise ConfigError naming the first bad flag; a script adds its own flags' checks."""
+        check_flags(self)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -382,8 +199,8 @@ class Head(nn.Module):
         return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
 
 
-def _unchanged(module_class):
-    return module_class
+def unwrapped(module_class):
+    return module_class  # GPT's default: each piece as it is
 
 
 class GPT(nn.Module):
@@ -394,7 +211,7 @@ class GPT(nn.Module):
     """
 
     config: Config
-    wrap: Callable[[type], type] = _unchanged
+    wrap: Callable[[type], type] = unwrapped
 
     @nn.compact
     def __call__(self, tokens, deterministic: bool = True):
@@ -548,68 +365,6 @@ class TextData:
         return np.stack(rows).astype(np.int32)
 
 
-def _tfds_builder(config: Config):
-    """The TFDS builder of --dataset, prepared (downloaded and converted) on first use."""
-    import tensorflow_datasets as tfds
-    from tensorflow_datasets.core.download import downloader as tfds_downloader
-
-    try:
-        builder = tfds.builder(config.dataset, data_dir=config.data_dir, file_format="array_record")
-    except tfds.core.registered.DatasetNotFoundError:
-        where = f" nor prepared in --data-dir {config.data_dir}" if config.data_dir else ""
-        raise ConfigError(
-            f"--dataset {config.dataset} is neither 'synthetic' nor a TFDS dataset{where}; "
-            "e.g. --dataset tiny_shakespeare"
-        ) from None
-    if not builder.is_prepared():
-        how = (
-            "prepare it where the internet is reachable (run this command there once, with the same "
-            "--data-dir) or pass the downloaded files with --tfds-manual-dir (for tiny_shakespeare: "
-            "a folder holding input.txt)"
-        )
-        if is_main_process():
-            print(f"preparing TFDS {config.dataset} in {builder.data_dir} (first use only)", flush=True)
-        # TFDS retries a failed download 10 times with growing pauses: 3.5 minutes before an
-        # offline machine hears it has no internet. Three tries still ride out a hiccup.
-        tfds_downloader.MAX_RETRIES = 3
-        try:
-            _hide_gpus_from_tensorflow()
-            builder.download_and_prepare(
-                download_config=tfds.download.DownloadConfig(manual_dir=config.tfds_manual_dir)
-            )
-        except Exception as error:  # no network, no TensorFlow, a bad manual file, ...
-            reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-            raise ConfigError(
-                f"--dataset {config.dataset} is not prepared and preparing it failed ({reason}); {how}"
-            ) from None
-    if builder.info.file_format.value != "array_record":
-        raise ConfigError(
-            f"--dataset {config.dataset} is prepared as {builder.info.file_format.value} in {builder.data_dir}; "
-            "random access needs array_record: prepare it again in another --data-dir"
-        )
-    features = builder.info.features
-    require(
-        config.text_key in features and isinstance(features[config.text_key], tfds.features.Text),
-        "text_key",
-        f"{config.text_key} is not a text feature of {config.dataset}; it has {', '.join(features)}",
-    )
-    require(
-        "train" in builder.info.splits,
-        "dataset",
-        f"{config.dataset} has no train split, e.g. --dataset tiny_shakespeare",
-    )
-    return builder
-
-
-def _hide_gpus_from_tensorflow():
-    # Preparing some catalogue datasets imports TensorFlow, which must leave the GPUs to JAX.
-    try:
-        import tensorflow as tf
-    except ImportError:
-        raise RuntimeError("preparing it needs TensorFlow: pip install tensorflow-cpu") from None
-    tf.config.set_visible_devices([], "GPU")
-
-
 @functools.cache  # one dataset per config: setup() opens it to check it, main() reads it
 def load_dataset(config: Config):
     if config.dataset == "synthetic":
@@ -727,12 +482,293 @@ def accumulate_gradients(state: TrainState, batch, rng, microbatches: int):
     return jax.tree.map(lambda g: g / microbatches, grads), metrics
 
 
+# ==============================================================================================
+# PLUMBING. Below this line: what a real run needs around the training, the same for every
+# script. Nothing here is about the model or the strategy.
+# ==============================================================================================
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line and its checks: bad input is one line and exit status 2, before any compilation
+# ----------------------------------------------------------------------------------------------
+
+
+class ConfigError(ValueError):
+    """A bad flag. The command line reports it as one line and exit status 2."""
+
+
+def require(ok, name, message):
+    """Raise ConfigError for flag --name unless ok."""
+    if not ok:
+        raise ConfigError(f"--{name.replace('_', '-')} {message}")
+
+
+def check_flags(config: Config):
+    """Raise ConfigError naming the first bad flag of the shared ones."""
+
+    def example(name):  # the default is always a valid value
+        return f"e.g. --{name.replace('_', '-')} {getattr(Config, name)}"
+
+    positive = (
+        "steps", "batch_size", "seq_len", "layers", "d_model", "heads", "microbatches", "log_every",
+        "eval_batches", "checkpoint_every", "keep", "lr",
+    )  # fmt: skip
+    for name in positive:
+        require(getattr(config, name) > 0, name, f"must be positive, {example(name)}")
+    for name in ("warmup_steps", "seed", "eval_every", "weight_decay"):
+        require(getattr(config, name) >= 0, name, f"must be zero or more, {example(name)}")
+    require(0 <= config.dropout < 1, "dropout", f"must be in [0, 1), {example('dropout')}")
+    require(config.dtype in ("float32", "bfloat16"), "dtype", "must be float32 or bfloat16, e.g. --dtype bfloat16")
+    require(
+        config.d_model % config.heads == 0,
+        "heads",
+        f"must divide --d-model {config.d_model}, e.g. --heads {math.gcd(config.d_model, 4)}",
+    )
+    shards = config.batch_shards() * config.microbatches
+    require(
+        config.batch_size % shards == 0,
+        "batch_size",
+        f"must be divisible by {config.batch_shards()} batch shards x {config.microbatches} "
+        f"micro-batches, e.g. --batch-size {max(1, config.batch_size // shards) * shards}",
+    )
+    require(
+        (config.num_processes, config.process_id) == (1, 0) or config.coordinator_address or config.distributed,
+        "num_processes",
+        "and --process-id need --coordinator-address host:port of process 0, e.g. --coordinator-address 10.0.0.1:1234",
+    )
+    for name, path in (("metrics_file", config.metrics_file), ("checkpoint_dir", config.checkpoint_dir)):
+        if path:  # the first folder that exists on the way must take new files
+            folder = os.path.abspath(path) if name == "checkpoint_dir" else os.path.dirname(os.path.abspath(path))
+            while not os.path.exists(folder):
+                folder = os.path.dirname(folder)
+            writable = os.path.isdir(folder) and os.access(folder, os.W_OK)
+            require(writable, name, f"{path} cannot be written: {folder} is not a writable folder, e.g. --{name} run/")
+    require(
+        not (config.metrics_file and os.path.isdir(config.metrics_file)),
+        "metrics_file",
+        f"{config.metrics_file} is a folder; give a file in it, e.g. --metrics-file {config.metrics_file}/metrics.jsonl",
+    )
+
+
+def mesh_shape(text: str, heads: int) -> dict:
+    """--mesh 'data=2,model=4' -> {'data': 2, 'model': 4}. 'auto' puts up to 4 devices (at most
+    half of them, and a divisor of --heads) on 'model' and the rest on 'data'."""
+    n = jax.device_count()
+    if text == "auto":
+        model = max(m for m in (1, 2, 4) if n % m == 0 and heads % m == 0 and m <= max(1, n // 2))
+        return {"data": n // model, "model": model}
+    example = f"e.g. --mesh data={max(1, n // 2)},model={min(2, n)}"
+    try:
+        shape = {name: int(size) for name, size in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise ConfigError(f"--mesh {text} is not axis=size pairs, {example}") from None
+    require(sorted(shape) == ["data", "model"], "mesh", f"{text} must name the axes data and model, {example}")
+    require(min(shape.values()) > 0, "mesh", f"{text} has an axis of size < 1, {example}")
+    require(
+        math.prod(shape.values()) == n, "mesh", f"{text} has {math.prod(shape.values())} devices, not {n}; {example}"
+    )
+    return shape
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage block
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    pass  # the script's docstring as written, then every flag with its default
+
+
+def parse_config(config_class=Config, doc: str | None = None, argv: list | None = None) -> Config:
+    """Build the command line from the Config fields and parse it. A flag argparse cannot read
+    exits 2 here; main() checks the values (setup)."""
+    parser = _Parser(description=doc, formatter_class=_HelpFormatter)
+    hints = typing.get_type_hints(config_class)
+    for field in dataclasses.fields(config_class):
+        flag, kind = "--" + field.name.replace("_", "-"), hints[field.name]
+        options = dict(field.metadata)
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **options)
+        else:
+            kind = next(t for t in typing.get_args(kind) or (kind,) if t is not type(None))
+            metavar = None if "choices" in options else kind.__name__.upper()
+            parser.add_argument(flag, type=kind, metavar=metavar, **options)
+        parser.set_defaults(**{field.name: field.default})
+    return config_class(**vars(parser.parse_args(argv)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Devices
+# ----------------------------------------------------------------------------------------------
+
+
+def setup(config: Config):
+    """Start JAX on the right devices, then check the flags: bad input exits 2 with one line,
+    before anything is compiled. main() calls it first, before touching any device."""
+    try:
+        _start_and_check(config)
+    except ConfigError as error:
+        exit_bad_input(str(error))
+
+
+def exit_bad_input(message: str):
+    """One line on stderr, exit status 2: argparse's convention for bad input."""
+    print(f"{os.path.basename(sys.argv[0])}: error: {message} (see --help)", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def _start_and_check(config: Config):
+    require(config.cpu_devices > 0, "cpu_devices", "must be positive, e.g. --cpu-devices 8")
+    try:
+        # Only affects the CPU backend, so it is harmless on GPU/TPU hosts, whose real devices
+        # are used unchanged. It must run before JAX starts a backend.
+        jax.config.update("jax_num_cpu_devices", config.cpu_devices)
+    except RuntimeError:  # JAX already started in this process (tests call main() repeatedly)
+        if jax.default_backend() == "cpu" and jax.local_device_count() != config.cpu_devices:
+            raise ConfigError(
+                f"--cpu-devices {config.cpu_devices}: this process already started JAX with "
+                f"{jax.local_device_count()} CPU devices"
+            ) from None
+    jax.config.update("jax_debug_nans", config.debug_nans)
+    if (config.coordinator_address or config.distributed) and not jax.distributed.is_initialized():
+        _start_distributed(config)
+    config.validate()
+    load_dataset(config)  # a dataset that cannot be read is bad input too
+    check_checkpoint(config)  # and so is a checkpoint of another model
+
+
+def _start_distributed(config: Config):
+    """Join the other processes. Every process runs the same program on its own devices; jit,
+    shard_map and pmap collectives then span all of them."""
+    if config.distributed:  # JAX reads the cluster from its environment (Cloud TPU, SLURM, ...)
+        require(not config.coordinator_address, "distributed", "and --coordinator-address exclude each other: give one")
+        address, processes, process_id = None, None, None
+    else:
+        host, _, port = config.coordinator_address.rpartition(":")
+        require(host and port.isdigit(), "coordinator_address", "must be host:port, e.g. 10.0.0.1:1234")
+        require(config.num_processes > 0, "num_processes", "must be positive, e.g. --num-processes 2")
+        require(
+            0 <= config.process_id < config.num_processes,
+            "process_id",
+            f"must be in 0..{config.num_processes - 1}, e.g. --process-id 0",
+        )
+        address, processes, process_id = config.coordinator_address, config.num_processes, config.process_id
+        if process_id:
+            _wait_for_coordinator(host, int(port), config.heartbeat_timeout)
+    require(config.heartbeat_timeout > 0, "heartbeat_timeout", "must be positive, e.g. --heartbeat-timeout 60")
+    # CPU processes exchange collectives through gloo (TCP); GPUs and TPUs use their own links.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        address,
+        processes,
+        process_id,
+        initialization_timeout=config.heartbeat_timeout,
+        # If a process dies, the runtime stops the others once its heartbeats are missing for
+        # this long (or at once if it was process 0); a process that exits on an error waits
+        # at most this long for the others at shutdown. Either way, no process hangs.
+        heartbeat_timeout_seconds=config.heartbeat_timeout,
+        shutdown_timeout_seconds=config.heartbeat_timeout,
+    )
+
+
+def _wait_for_coordinator(host: str, port: int, timeout: float):
+    """Wait until process 0 listens at host:port. JAX's own wait ends in a C++ abort with a
+    stack trace; this one ends in a line naming the address."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=1):
+                return
+        except OSError as error:
+            if time.monotonic() > deadline:
+                raise SystemExit(
+                    f"error: cannot reach the coordinator at {host}:{port} after {timeout}s ({error.strerror or error}); "
+                    "start process 0 with the same --coordinator-address, and check the host, the port and firewalls"
+                ) from None
+            time.sleep(0.5)
+
+
+def is_main_process() -> bool:
+    return jax.process_index() == 0
+
+
+# ----------------------------------------------------------------------------------------------
+# TFDS datasets: found, prepared on first use, checked
+# ----------------------------------------------------------------------------------------------
+
+
+def _tfds_builder(config: Config):
+    """The TFDS builder of --dataset, prepared (downloaded and converted) on first use."""
+    import tensorflow_datasets as tfds
+    from tensorflow_datasets.core.download import downloader as tfds_downloader
+
+    try:
+        builder = tfds.builder(config.dataset, data_dir=config.data_dir, file_format="array_record")
+    except tfds.core.registered.DatasetNotFoundError:
+        where = f" nor prepared in --data-dir {config.data_dir}" if config.data_dir else ""
+        raise ConfigError(
+            f"--dataset {config.dataset} is neither 'synthetic' nor a TFDS dataset{where}; "
+            "e.g. --dataset tiny_shakespeare"
+        ) from None
+    if not builder.is_prepared():
+        how = (
+            "prepare it where the internet is reachable (run this command there once, with the same "
+            "--data-dir) or pass the downloaded files with --tfds-manual-dir (for tiny_shakespeare: "
+            "a folder holding input.txt)"
+        )
+        if is_main_process():
+            print(f"preparing TFDS {config.dataset} in {builder.data_dir} (first use only)", flush=True)
+        # TFDS retries a failed download 10 times with growing pauses: 3.5 minutes before an
+        # offline machine hears it has no internet. Three tries still ride out a hiccup.
+        tfds_downloader.MAX_RETRIES = 3
+        try:
+            _hide_gpus_from_tensorflow()
+            builder.download_and_prepare(
+                download_config=tfds.download.DownloadConfig(manual_dir=config.tfds_manual_dir)
+            )
+        except Exception as error:  # no network, no TensorFlow, a bad manual file, ...
+            reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+            raise ConfigError(
+                f"--dataset {config.dataset} is not prepared and preparing it failed ({reason}); {how}"
+            ) from None
+    if builder.info.file_format.value != "array_record":
+        raise ConfigError(
+            f"--dataset {config.dataset} is prepared as {builder.info.file_format.value} in {builder.data_dir}; "
+            "random access needs array_record: prepare it again in another --data-dir"
+        )
+    features = builder.info.features
+    require(
+        config.text_key in features and isinstance(features[config.text_key], tfds.features.Text),
+        "text_key",
+        f"{config.text_key} is not a text feature of {config.dataset}; it has {', '.join(features)}",
+    )
+    require(
+        "train" in builder.info.splits,
+        "dataset",
+        f"{config.dataset} has no train split, e.g. --dataset tiny_shakespeare",
+    )
+    return builder
+
+
+def _hide_gpus_from_tensorflow():
+    # Preparing some catalogue datasets imports TensorFlow, which must leave the GPUs to JAX.
+    try:
+        import tensorflow as tf
+    except ImportError:
+        raise RuntimeError("preparing it needs TensorFlow: pip install tensorflow-cpu") from None
+    tf.config.set_visible_devices([], "GPU")
+
+
 # ----------------------------------------------------------------------------------------------
 # Checkpoints: one layout for every script, so that any script resumes any other's run
 # ----------------------------------------------------------------------------------------------
 
 
-def _unchanged_state(saved, state):
+def saved_as_is(state):
+    return state  # the default: the state is already in the checkpoint layout
+
+
+def restored_as_is(saved, state):
     return saved
 
 
@@ -748,7 +784,7 @@ class Checkpoints:
     process killed while saving leaves only a temporary folder, which is never read.
     """
 
-    def __init__(self, config: Config, to_saved: Callable = _unchanged, from_saved: Callable = _unchanged_state):
+    def __init__(self, config: Config, to_saved: Callable = saved_as_is, from_saved: Callable = restored_as_is):
         self.config, self.to_saved, self.from_saved = config, to_saved, from_saved
         self.checkpointer, self.sigterm = None, False
         if not config.checkpoint_dir:
@@ -790,7 +826,7 @@ class Checkpoints:
         if jax.process_count() > 1:  # every process stops at the same step, the one they agree on
             preempted = multihost_utils.reached_preemption_sync_point(done)
         if preempted or done % self.config.checkpoint_every == 0 or done == self.config.steps:
-            log.check_finite()  # a non-finite state is never saved
+            log.losses.fetch()  # stops at a non-finite loss: such a state is never saved
             self.checkpointer.save_async(done, self.to_saved(state), force=True)  # the schedule is ours
         if preempted:
             log.print(f"preempted: saved the checkpoint of step {done} and stopped")
@@ -948,9 +984,10 @@ def hlo_collectives(hlo_text: str) -> list:
     return found
 
 
-def cost_report(config: Config, state, compiled) -> dict:
+def cost_report(config: Config, state, compiled, compile_seconds: float) -> dict:
     """What the strategy costs, from the real arrays (state bytes on this process's first
-    device) and the compiled step (its memory analysis and the collectives in its HLO)."""
+    device) and the compiled step (its memory analysis and the collectives in its HLO).
+    Measure it before the first step: the step donates the state, so these arrays go away."""
     device = jax.local_devices()[0]
     full = model_shapes(config)
     leaves = jax.tree.leaves(nn.unbox((state.params, state.opt_state)))
@@ -966,6 +1003,7 @@ def cost_report(config: Config, state, compiled) -> dict:
         "flops_per_token": flops_per_token(config, params),
         "state_bytes_total": sum(map(nbytes, jax.tree.leaves(nn.unbox((full.params, full.opt_state))))),
         "state_bytes_per_device": sum(bytes_on_device(x, device) for x in leaves),
+        "compile_seconds": compile_seconds,
         "compiled_argument_bytes": getattr(memory, "argument_size_in_bytes", None),
         "compiled_temp_bytes": getattr(memory, "temp_size_in_bytes", None),
         "collectives": collectives,
@@ -1030,12 +1068,13 @@ def compile_step(step_fn, *args):
     compiled = step_fn.lower(*args).compile()
     seconds = time.perf_counter() - start
     if jax.config.jax_debug_nans:  # JAX checks for NaNs only in calls through jit
-        return _ThroughJit(step_fn, compiled), seconds
+        return _StepThroughJit(step_fn, compiled), seconds
     return compiled, seconds
 
 
-class _ThroughJit:
-    """The compiled step for inspection, but run by step_fn: --debug-nans needs that."""
+class _StepThroughJit:
+    """The compiled step for inspection, run by calling step_fn: --debug-nans needs that, as
+    JAX checks for NaNs only in calls through jit. step_fn runs the same compiled program."""
 
     def __init__(self, step_fn, compiled):
         self.step_fn, self.compiled = step_fn, compiled
@@ -1047,6 +1086,39 @@ class _ThroughJit:
         return getattr(self.compiled, name)
 
 
+def host_value(x) -> float:
+    """A metric as a Python number. One replica is enough: the metrics were summed over
+    devices inside the step."""
+    return float(np.asarray(x.addressable_data(0)).ravel()[0])
+
+
+def stop_if_not_finite(loss: float, step: int, losses: list):
+    """Stop the run (exit 1) at a non-finite loss, before anything after it is saved."""
+    if not math.isfinite(loss):
+        last = f"; the last finite loss was {losses[-1]:.4f}" if losses else ""
+        raise SystemExit(f"stopped: the loss is {loss} at step {step + 1}{last}; nothing more was saved")
+
+
+class StepLosses:
+    """The mean training loss of every step run. A step's metrics stay on device until a log
+    line or a checkpoint needs them, so the host never waits on a step."""
+
+    def __init__(self):
+        self.values, self.pending = [], []
+
+    def add(self, step: int, metrics):
+        self.pending.append((step, metrics))
+
+    def fetch(self) -> list:
+        """Every loss so far, as numbers; the run stops at a non-finite one."""
+        for step, metrics in self.pending:
+            loss = host_value(metrics["loss_sum"]) / host_value(metrics["tokens"])
+            stop_if_not_finite(loss, step, self.values)
+            self.values.append(loss)
+        self.pending = []
+        return self.values
+
+
 @dataclasses.dataclass
 class Result:
     losses: list  # the mean training loss of every step
@@ -1055,24 +1127,16 @@ class Result:
     compiled: Any  # the compiled train step
 
 
-def _fetch(x) -> float:
-    # One replica is enough: the metrics were summed over devices inside the step.
-    return float(np.asarray(x.addressable_data(0)).ravel()[0])
-
-
 class Logger:
-    """Prints a line every --log-every steps (process 0 only), writes --metrics-file, keeps every
-    step's loss, and reports what the run cost. Metrics stay on device until a log step, so the
-    host never waits on a step."""
+    """Prints what the run is before it starts, a line every --log-every steps and a report at
+    the end (process 0 only), and writes the same to --metrics-file as JSON Lines."""
 
-    def __init__(self, config: Config, dataset, layout: str, state, compiled, compile_seconds: float):
-        self.config, self.dataset, self.compile_seconds = config, dataset, compile_seconds
+    def __init__(self, config: Config, dataset, layout: str, report: dict, params):
+        self.config, self.dataset, self.report = config, dataset, report
         self.tokens_per_step = config.batch_size * config.seq_len
-        self.losses, self.pending, self.step_seconds, self.eval_loss = [], [], [], None
+        self.losses, self.step_seconds, self.eval_loss = StepLosses(), [], None
         self.file = open(config.metrics_file, "w") if config.metrics_file and is_main_process() else None
         devices = jax.devices()
-        # Measured now: the train step donates the state, so these arrays go away.
-        self.cost = cost_report(config, state, compiled)
         self.info = {
             "platform": devices[0].platform,
             "device_kind": devices[0].device_kind,
@@ -1082,14 +1146,14 @@ class Logger:
         }
         self.print(
             f"{len(devices)} {devices[0].platform} devices in {jax.process_count()} process(es) | "
-            f"{layout} | {self.cost['param_count'] / 1e6:.2f}M parameters\n"
+            f"{layout} | {report['param_count'] / 1e6:.2f}M parameters\n"
             f"batch {config.batch_size} x {config.seq_len} tokens "
             f"({config.batch_size // config.batch_shards()} per device) | "
             f"{dataset.describe()}\n"
-            f"compiled the train step in {compile_seconds:.1f}s"
+            f"compiled the train step in {report['compile_seconds']:.1f}s"
         )
         if config.show_sharding and is_main_process():
-            show_sharding(state.params)
+            show_sharding(params)
         self.last_time = time.perf_counter()
 
     def print(self, text):
@@ -1097,25 +1161,25 @@ class Logger:
             print(text, flush=True)
 
     def log(self, step: int, metrics):
-        self.pending.append((step, metrics))
+        self.losses.add(step, metrics)
         if (step + 1) % self.config.log_every and step + 1 != self.config.steps:
             return
-        count = len(self.pending)
-        self.check_finite()
+        count = len(self.losses.pending)
+        loss = self.losses.fetch()[-1]  # waits for the step to finish
         now = time.perf_counter()
         seconds = (now - self.last_time) / count
         self.step_seconds += [seconds] * count
         self.last_time = now
         record = {
             "step": step + 1,
-            "loss": self.losses[-1],
+            "loss": loss,
             "tokens_per_sec": self.tokens_per_step / seconds,
             "step_seconds": seconds,
         }
         eta = seconds * (self.config.steps - step - 1)
         self.print(
             f"step {step + 1:>{len(str(self.config.steps))}}/{self.config.steps} | "
-            f"loss {record['loss']:.4f} | {record['tokens_per_sec']:,.0f} tokens/s | "
+            f"loss {loss:.4f} | {record['tokens_per_sec']:,.0f} tokens/s | "
             f"ETA {eta // 60:.0f}:{eta % 60:02.0f}"
         )
         self.write(record)
@@ -1123,23 +1187,13 @@ class Logger:
     def eval_due(self, step: int) -> bool:
         return bool(self.config.eval_every) and (step + 1) % self.config.eval_every == 0
 
-    def check_finite(self):
-        """Fetch the losses of the steps run so far; stop the run (exit 1) at a non-finite one."""
-        for step, metrics in self.pending:
-            loss = _fetch(metrics["loss_sum"]) / _fetch(metrics["tokens"])
-            if not math.isfinite(loss):
-                last = f"; the last finite loss was {self.losses[-1]:.4f}" if self.losses else ""
-                raise SystemExit(f"stopped: the loss is {loss} at step {step + 1}{last}; nothing more was saved")
-            self.losses.append(loss)
-        self.pending = []
-
     def eval(self, step: int, eval_fn, state, batches):
         """Evaluate on the held-out batches and log their mean loss. The time it takes (the
         first time, compilation too) is left out of the training speed."""
-        for _, metrics in self.pending:  # let the steps before it finish first
-            _fetch(metrics["loss_sum"])
+        for _, metrics in self.losses.pending:  # let the steps before it finish first
+            host_value(metrics["loss_sum"])
         start = time.perf_counter()
-        fetched = [(_fetch(m["loss_sum"]), _fetch(m["tokens"])) for m in (eval_fn(state, b) for b in batches)]
+        fetched = [(host_value(m["loss_sum"]), host_value(m["tokens"])) for m in (eval_fn(state, b) for b in batches)]
         self.eval_loss = sum(loss for loss, _ in fetched) / sum(tokens for _, tokens in fetched)
         self.last_time += time.perf_counter() - start
         self.print(f"eval at step {step + 1}: held-out loss {self.eval_loss:.4f}")
@@ -1150,8 +1204,10 @@ class Logger:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
 
-    def finish(self, state, compiled) -> Result:
-        steps = len(self.losses)
+    def finish(self) -> dict:
+        """Print and write the end-of-run report; return it (the summary)."""
+        losses = self.losses.fetch()
+        steps = len(losses)
         # The first interval can include one-off warm-up work; use the median step time.
         step_seconds = float(np.median(self.step_seconds)) if steps else None
         tokens_per_sec = self.tokens_per_step / step_seconds if steps else None
@@ -1159,16 +1215,15 @@ class Logger:
         summary = {
             **self.info,
             "steps": steps,
-            "final_loss": self.losses[-1] if steps else None,
+            "final_loss": losses[-1] if steps else None,
             "eval_loss": self.eval_loss,
             "loss_floor": getattr(self.dataset, "loss_floor", None),
             "tokens_per_sec": tokens_per_sec,
             "step_seconds": step_seconds,
-            "compile_seconds": self.compile_seconds,
-            "mfu": self.cost["flops_per_token"] * tokens_per_sec / (peak * self.info["devices"])
+            "mfu": self.report["flops_per_token"] * tokens_per_sec / (peak * self.info["devices"])
             if steps and peak
             else None,
-            **self.cost,
+            **self.report,
         }
         if steps:  # not when resumed at or after --steps
             floor = f" (floor {summary['loss_floor']:.4f})" if summary["loss_floor"] is not None else ""
@@ -1180,4 +1235,4 @@ class Logger:
         self.write({"summary": summary})
         if self.file:
             self.file.close()
-        return Result(self.losses, state, summary, compiled)
+        return summary

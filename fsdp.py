@@ -1,19 +1,22 @@
 """Fully sharded data parallelism (ZeRO-3), written by hand in jax.shard_map.
 
-What is where: every parameter is split into N equal pieces along one of its axes over the
-mesh axis 'data' (boxed as nn.Partitioned, whose names say which axis); its Adam moments are
-split the same way. Each device stores 1/N of them, so parameter and optimizer memory per
-device is total / N. A parameter with no axis that N divides, or smaller than
---min-shard-size, stays replicated, as in shardmap_dp.py. The batch is split by rows over
-'data', as in data parallelism.
+What is where: the global batch is split by rows over the mesh axis 'data' (P('data')),
+each device taking an equal share. Every parameter is split into N equal pieces along one of
+its axes over 'data' (boxed as nn.Partitioned, whose names say which axis), and so are its
+Adam moments, so each device stores 1/N of the state; a parameter with no axis that N
+divides, or smaller than --min-shard-size, stays replicated.
 A step: each piece of the model (the embedding, every block, the head) all-gathers its full
 parameters just before it runs, and again in the backward pass rather than keeping them
 alive in between. Autodiff turns each all-gather into its transpose, a reduce-scatter, which
 leaves each device the summed gradient of its own shard (divided by N for the mean). Adam is
-elementwise, so each device updates only its shard. Replicated parameters get their
-gradients all-reduced, as in data parallelism.
-Collectives per step: all-gathers (forward and backward) and reduce-scatters of the
-parameters, an all-reduce of any replicated ones and of the metrics.
+elementwise, so each device updates only its shard.
+Collectives per step: all-gathers of the parameters (forward and backward) and
+reduce-scatters of their gradients, an all-reduce of any replicated ones, and a tiny one of
+the metrics.
+
+What changes from shardmap_dp.py: the state is sharded instead of replicated, so each piece
+of the model gathers its parameters as it runs (the model's `wrap`), and the mean of a
+sharded gradient is its reduce-scattered sum over N instead of an all-reduce.
 
 Run:
   python fsdp.py                         # a laptop: 8 emulated CPU devices
@@ -53,7 +56,7 @@ def make_mesh(config):
     return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
-BATCH_SPEC = P("data")  # rows split over the devices
+BATCH_SPEC = P("data")  # rows split over 'data'
 
 
 def is_sharded(x):
@@ -179,12 +182,14 @@ def main(config):
     eval_data = [device_batch(b, mesh) for b in common.eval_batches(dataset, config)]
     first_batch = device_batch(common.host_batch(dataset, config, 0), mesh)
     compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
+    report = common.cost_report(config, state, compiled, compile_seconds)
     layout = f"mesh data={mesh.shape['data']}, parameters and optimizer state sharded"
-    log = common.Logger(config, dataset, layout, state, compiled, compile_seconds)
+    log = common.Logger(config, dataset, layout, report, state.params)
     try:
         for step in range(start, config.steps):
             batch = device_batch(common.host_batch(dataset, config, step), mesh)
-            state, metrics = compiled(state, batch)  # the step the report describes
+            # The program compiled above, which the report describes.
+            state, metrics = compiled(state, batch)
             log.log(step, metrics)
             if log.eval_due(step):
                 log.eval(step, eval_fn, state, eval_data)
@@ -192,7 +197,8 @@ def main(config):
                 break
     finally:
         checkpoints.close()  # lets the saves still being written finish, whatever happened
-    return log.finish(state, compiled)
+    summary = log.finish()
+    return common.Result(log.losses.values, state, summary, compiled)
 
 
 if __name__ == "__main__":

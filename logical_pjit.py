@@ -8,19 +8,21 @@ nn.with_logical_constraint, in common.py. A rules table maps those names to the 
   fsdp     the batch and every parameter's 'embed' axis over all devices (as fsdp.py)
   tp       the batch over 'data'; heads and MLP units over 'model' (as pjit_tp.py)
   fsdp_tp  tp, plus every parameter's 'embed' axis over 'data' (2-D sharding)
-The mesh, the model, the step and every flag stay the same; only the rules change, and jit
-writes the collectives that each layout needs.
+A step: the step is written for one device, and jit partitions it (GSPMD) from the
+shardings of its inputs and outputs, inserting the collectives itself.
 Collectives per step, by preset: dp, an all-reduce of the gradients; fsdp, all-gathers of the
 parameters and reduce-scatters of their gradients; tp, all-reduces over 'model' of each
 block's partial sums; fsdp_tp, both of the last two.
 
-"pjit" is the old name: pjit, once in jax.experimental, was merged into jax.jit, which takes
-in_shardings and out_shardings directly.
+What changes from pjit_tp.py: the table of PartitionSpecs per parameter path becomes a table
+of rules per logical axis name, so the mesh, the model, the step and every flag stay the
+same while the rules change. "pjit" is the old name: pjit, once in jax.experimental, was
+merged into jax.jit, which takes in_shardings and out_shardings directly.
 
 Run:
-  python logical_pjit.py --rules fsdp_tp     # a laptop: 8 emulated CPU devices
+  python logical_pjit.py --rules fsdp_tp # a laptop: 8 emulated CPU devices
   python logical_pjit.py --rules fsdp --mesh data=8,model=1 --steps 2000   # a GPU/TPU host
-  python logical_pjit.py --distributed    # every host of a TPU pod slice (README)
+  python logical_pjit.py --distributed   # every host of a TPU pod slice (README)
 
 Read before: pjit_tp.py. Read next: MaxText, which scales this layout to real models.
 """
@@ -153,12 +155,14 @@ def main(config):
     # The activations' logical constraints resolve against these rules and mesh while tracing.
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
+    report = common.cost_report(config, state, compiled, compile_seconds)
     layout = f"mesh data={mesh.shape['data']},model={mesh.shape['model']}, rules {config.rules}"
-    log = common.Logger(config, dataset, layout, state, compiled, compile_seconds)
+    log = common.Logger(config, dataset, layout, report, state.params)
     try:
         for step in range(start, config.steps):
             batch = device_batch(common.host_batch(dataset, config, step), mesh, rules)
-            state, metrics = compiled(state, batch)  # the step the report describes
+            # The program compiled above, which the report describes.
+            state, metrics = compiled(state, batch)
             log.log(step, metrics)
             if log.eval_due(step):
                 with jax.set_mesh(mesh), nn.logical_axis_rules(rules):  # traced here the first time
@@ -167,7 +171,8 @@ def main(config):
                 break
     finally:
         checkpoints.close()  # lets the saves still being written finish, whatever happened
-    return log.finish(state, compiled)
+    summary = log.finish()
+    return common.Result(log.losses.values, state, summary, compiled)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,28 @@
 """Tensor (model) parallelism by the compiler: jax.jit with shardings on a 2-D mesh.
 
 What is where: the devices form a ('data', 'model') mesh (--mesh, data=2,model=4 on 8
-devices). The batch is split by rows over 'data'. Inside each transformer block the weights
-are split over 'model' in the Megatron layout: the first matmul of attention (qkv, which
-makes each head's query, key and value) and of the MLP (fc1) by output columns, so each
-device owns some heads and some hidden units; the second (attn/out, fc2) by input rows, so
-each device turns its own heads and units into a partial sum. The table PARAM_SPECS says
-this per parameter path; it applies to the Adam moments too, whose paths end with the
-parameter's. Everything else is replicated.
-The step is written for one device, and jit partitions it from the shardings of its inputs
-and outputs (GSPMD), inserting the collectives itself.
-Collectives per step: per block, an all-reduce over 'model' of the partial sums after attn/out
-and after fc2 in the forward pass, and two matching ones in the backward pass; an all-reduce
-over 'data' of the gradients, as in data parallelism.
+devices). Inside each block the weights are split over 'model' in the Megatron layout: the
+first matmul of attention (qkv, which makes each head's query, key and value) and of the MLP
+(fc1) by output columns, so each device owns some heads and some hidden units; the second
+(attn/out, fc2) by input rows, so each device turns its own heads and units into a partial
+sum. PARAM_SPECS says this per parameter path, and the Adam moments, whose paths end with
+the parameter's, follow it. Everything else is replicated. The global batch is split by rows
+over the mesh axis 'data' (P('data')), each device taking an equal share.
+A step: the step is written for one device, and jit partitions it (GSPMD) from the
+shardings of its inputs and outputs, inserting the collectives itself.
+Collectives per step: per block, an all-reduce over 'model' of the partial sums after
+attn/out and after fc2 in the forward pass, and two matching ones in the backward pass; one
+all-reduce over 'data' of the gradients, as in data parallelism, and a tiny one of the metrics.
 
-"pjit" is the old name: pjit, once in jax.experimental, was merged into jax.jit, which takes
-in_shardings and out_shardings directly.
+What changes from fsdp.py: no collectives by hand. The mesh gains a 'model' axis, a table of
+PartitionSpecs per parameter path replaces the nn.Partitioned boxes, and the step is the
+single-device step. "pjit" is the old name: pjit, once in jax.experimental, was merged into
+jax.jit, which takes in_shardings and out_shardings directly.
 
 Run:
   python pjit_tp.py                      # a laptop: 8 emulated CPU devices, data=2,model=4
   python pjit_tp.py --mesh data=1,model=8 --steps 2000   # a GPU or TPU host
-  python pjit_tp.py --distributed         # every host of a TPU pod slice (README)
+  python pjit_tp.py --distributed        # every host of a TPU pod slice (README)
 
 Read before: fsdp.py. Read next: logical_pjit.py, which states the same layout as rules.
 """
@@ -70,7 +72,7 @@ PARAM_SPECS = (
     (r"mlp/fc2/kernel", P("model", None)),  # [mlp, embed]
     (r"", P()),  # the rest: embeddings, LayerNorms, output biases, the head, step counters
 )
-BATCH_SPEC = P("data")  # rows split over the data-parallel axis
+BATCH_SPEC = P("data")  # rows split over 'data'
 
 
 def state_shardings(abstract_state, mesh):
@@ -128,12 +130,14 @@ def main(config):
     eval_data = [device_batch(b, mesh) for b in common.eval_batches(dataset, config)]
     first_batch = device_batch(common.host_batch(dataset, config, 0), mesh)
     compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
+    report = common.cost_report(config, state, compiled, compile_seconds)
     layout = f"mesh data={mesh.shape['data']},model={mesh.shape['model']}, Megatron tensor parallel"
-    log = common.Logger(config, dataset, layout, state, compiled, compile_seconds)
+    log = common.Logger(config, dataset, layout, report, state.params)
     try:
         for step in range(start, config.steps):
             batch = device_batch(common.host_batch(dataset, config, step), mesh)
-            state, metrics = compiled(state, batch)  # the step the report describes
+            # The program compiled above, which the report describes.
+            state, metrics = compiled(state, batch)
             log.log(step, metrics)
             if log.eval_due(step):
                 log.eval(step, eval_fn, state, eval_data)
@@ -141,7 +145,8 @@ def main(config):
                 break
     finally:
         checkpoints.close()  # lets the saves still being written finish, whatever happened
-    return log.finish(state, compiled)
+    summary = log.finish()
+    return common.Result(log.losses.values, state, summary, compiled)
 
 
 if __name__ == "__main__":

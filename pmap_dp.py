@@ -1,24 +1,25 @@
 """Data parallelism with jax.pmap: the historical starting point.
 
-What is where: the parameters and optimizer state are replicated, a full copy on every local
-device, stacked along a new leading axis (flax.jax_utils.replicate); each host batch is split
-along a new leading axis into one slice per local device (common_utils.shard). Each device
-computes the gradient of its rows, one all-reduce (lax.pmean) averages the gradients, and every
-copy applies the same update, so the copies stay equal.
+What is where: the global batch is split by rows, each device taking an equal share. The
+parameters and optimizer state are replicated, a full copy on every device, stacked along a
+new leading axis with one slice per local device.
+A step: each device computes the gradient of its rows, one all-reduce (lax.pmean) averages
+the gradients, and every copy applies the same update, so the copies stay equal.
 Collectives per step: one all-reduce of the gradients, and a tiny one of the metrics.
 
-pmap is in maintenance mode: since JAX 0.8 it is implemented with jax.jit and jax.shard_map,
-and new code should use jax.shard_map directly. pmap's arrays are per-device stacks that work
-only inside pmap, and it maps a single axis of devices, so it cannot express a mesh with a
-second axis (model parallelism) or let the compiler shard anything. shardmap_dp.py is this
-script rewritten that way; diff the two.
+What changes from one device: pmap runs the step on every local device at once, each on its
+slice of stacked arrays (flax.jax_utils.replicate stacks the state, common_utils.shard splits
+the batch). pmap is in maintenance mode: since JAX 0.8 it is implemented with jax.jit and
+jax.shard_map. Its arrays are per-device stacks that work only inside pmap, and it maps one
+axis of devices, so it cannot express a mesh with a second axis or let the compiler shard
+anything. New code should use jax.shard_map: shardmap_dp.py is this script written that way.
 
 Run:
   python pmap_dp.py                      # a laptop: 8 emulated CPU devices
   python pmap_dp.py --steps 2000         # a GPU or TPU host: all of its devices
   python pmap_dp.py --distributed        # every host of a TPU pod slice (README)
 
-Read before: nothing, start here. Read next: shardmap_dp.py.
+Read before: nothing, start here. Read next: shardmap_dp.py, the same algorithm on a mesh.
 """
 
 import dataclasses
@@ -106,12 +107,15 @@ def main(config):
     eval_data = [device_batch(b) for b in common.eval_batches(dataset, config)]
     first_batch = device_batch(common.host_batch(dataset, config, 0))
     compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
+    report = common.cost_report(config, state, compiled, compile_seconds)
     layout = f"pmap over {jax.local_device_count()} local devices, state replicated"
-    log = common.Logger(config, dataset, layout, state, compiled, compile_seconds)
+    log = common.Logger(config, dataset, layout, report, state.params)
     try:
         for step in range(start, config.steps):
             batch = device_batch(common.host_batch(dataset, config, step))
-            state, metrics = step_fn(state, batch)  # not `compiled`: it wants all processes' rows
+            # pmap runs the program compiled above (it caches it; the tests check that nothing
+            # compiles in the loop). `compiled` itself would want every process's rows.
+            state, metrics = step_fn(state, batch)
             log.log(step, metrics)
             if log.eval_due(step):
                 log.eval(step, eval_fn, state, eval_data)
@@ -119,7 +123,8 @@ def main(config):
                 break
     finally:
         checkpoints.close()  # lets the saves still being written finish, whatever happened
-    return log.finish(state, compiled)
+    summary = log.finish()
+    return common.Result(log.losses.values, state, summary, compiled)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,16 @@
-"""Data parallelism with jax.shard_map: the algorithm of pmap_dp.py, written the current way.
+"""Data parallelism with jax.shard_map: pmap_dp.py's algorithm, written the current way.
 
-What is where: the parameters and optimizer state are replicated, a full copy on every device
-(PartitionSpec P()); the global batch is split by rows over the mesh axis 'data'
-(P('data')). Each device computes the gradient of its rows, one all-reduce (lax.pmean)
-averages the gradients, and every copy applies the same update, so the copies stay equal.
+What is where: the global batch is split by rows over the mesh axis 'data' (P('data')),
+each device taking an equal share. The parameters and optimizer state are replicated, a full
+copy on every device (PartitionSpec P()).
+A step: each device computes the gradient of its rows, one all-reduce (lax.pmean) averages
+the gradients, and every copy applies the same update, so the copies stay equal.
 Collectives per step: one all-reduce of the gradients, and a tiny one of the metrics.
 
 What changes from pmap_dp.py: arrays are global jax.Arrays laid out on a Mesh instead of
 per-device stacks, so the same arrays work with jax.jit, meshes of several axes and several
-hosts; the body sees per-device shapes; and check_vma verifies, while tracing, that
-everything returned as replicated really is the same on every device.
+hosts; the body of shard_map sees each device's piece, as pmap's did; and check_vma
+verifies, while tracing, that everything returned as replicated is the same on every device.
 
 Run:
   python shardmap_dp.py                  # a laptop: 8 emulated CPU devices
@@ -42,7 +43,7 @@ def make_mesh(config):
 
 
 STATE_SPEC = P()  # replicated: every device holds the whole TrainState
-BATCH_SPEC = P("data")  # rows split over the devices
+BATCH_SPEC = P("data")  # rows split over 'data'
 
 
 def init_state(config, mesh):
@@ -94,12 +95,14 @@ def main(config):
     eval_data = [device_batch(b, mesh) for b in common.eval_batches(dataset, config)]
     first_batch = device_batch(common.host_batch(dataset, config, 0), mesh)
     compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
+    report = common.cost_report(config, state, compiled, compile_seconds)
     layout = f"mesh data={mesh.shape['data']}, state replicated"
-    log = common.Logger(config, dataset, layout, state, compiled, compile_seconds)
+    log = common.Logger(config, dataset, layout, report, state.params)
     try:
         for step in range(start, config.steps):
             batch = device_batch(common.host_batch(dataset, config, step), mesh)
-            state, metrics = compiled(state, batch)  # the step the report describes
+            # The program compiled above, which the report describes.
+            state, metrics = compiled(state, batch)
             log.log(step, metrics)
             if log.eval_due(step):
                 log.eval(step, eval_fn, state, eval_data)
@@ -107,7 +110,8 @@ def main(config):
                 break
     finally:
         checkpoints.close()  # lets the saves still being written finish, whatever happened
-    return log.finish(state, compiled)
+    summary = log.finish()
+    return common.Result(log.losses.values, state, summary, compiled)
 
 
 if __name__ == "__main__":

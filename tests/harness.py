@@ -1,0 +1,212 @@
+"""What the tests share: the small configuration, cached runs of every strategy, and helpers
+to run a script as a user does (alone in a folder, from the command line, as several
+processes). Every test file imports from here, so each run is computed once per session."""
+
+import contextlib
+import functools
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+import common
+import fsdp
+import logical_pjit
+import pjit_tp
+import pmap_dp
+import shardmap_dp
+
+ROOT = Path(__file__).resolve().parent.parent
+DEVICES = 8  # conftest.py starts JAX with 8 emulated CPU devices
+SMALL = dict(
+    steps=20, batch_size=16, seq_len=32, layers=2, d_model=64, heads=4, dropout=0.0, lr=3e-3, warmup_steps=5,
+    log_every=20, cpu_devices=DEVICES,
+)  # fmt: skip
+RTOL = 1e-5  # per-step losses and final parameters within 1e-5 of one device, relative
+# A still smaller run, for the command line: seconds, not tens of seconds.
+TINY = ["--steps", "3", "--batch-size", "8", "--seq-len", "16", "--layers", "1", "--d-model", "32", "--log-every", "1"]
+
+SCRIPTS = {
+    "pmap_dp": pmap_dp,
+    "shardmap_dp": shardmap_dp,
+    "fsdp": fsdp,
+    "pjit_tp": pjit_tp,
+    "logical_pjit": logical_pjit,
+}
+# A strategy is a script with its own flags: every script, and each logical_pjit.py preset.
+STRATEGIES = {name: (module, {}) for name, module in SCRIPTS.items() if name != "logical_pjit"}
+STRATEGIES.update({f"logical_{rules}": (logical_pjit, {"rules": rules}) for rules in logical_pjit.RULES})
+# Each script with its default flags, as a strategy name: logical_pjit.py defaults to fsdp_tp.
+DEFAULTS = {name: name for name in SCRIPTS} | {"logical_pjit": "logical_fsdp_tp"}
+
+
+def run_uncached(name, **overrides):
+    """Train a strategy on SMALL (with overrides) in this process; its common.Result."""
+    module, strategy_flags = STRATEGIES[name]
+    config = module.Config(**{**SMALL, **strategy_flags, **overrides})
+    return module.main(config)
+
+
+@functools.cache
+def run(name, **overrides):
+    """run_uncached, once per session for each strategy and overrides."""
+    return run_uncached(name, **overrides)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading the compiled step: which collectives run, over which groups of devices
+# ----------------------------------------------------------------------------------------------
+
+
+def collectives(compiled):
+    """{op: [replica groups of each instance]} for every collective in the compiled HLO."""
+    found = {}
+    for collective in common.hlo_collectives(compiled.as_text()):
+        found.setdefault(collective["op"], []).append(replica_groups(collective["line"]))
+    return found
+
+
+def replica_groups(line):
+    """The device groups of one collective, from any of the three forms XLA prints."""
+    if mesh := re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line):  # groups vary along named axes
+        axes = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
+        varying = [[name for name, _ in axes].index(a) for a in re.findall(r"'(\w+)'", mesh.group(2))]
+        ids = np.arange(DEVICES).reshape([int(size) for _, size in axes])
+        kept = [i for i in range(ids.ndim) if i not in varying]
+        ids = ids.transpose(kept + varying)
+        return {tuple(g) for g in ids.reshape(-1, math.prod(ids.shape[len(kept) :])).tolist()}
+    if explicit := re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line):
+        return {tuple(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", explicit.group(1))}
+    if iota := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line):
+        count, size, dims, perm = iota.groups()
+        ids = np.arange(DEVICES).reshape([int(d) for d in dims.split(",")])
+        ids = ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+        return {tuple(g) for g in ids.reshape(int(count), int(size)).tolist()}
+    assert "replica_groups" not in line, f"unknown replica group format: {line}"
+    return None  # e.g. collective-permute, whose source_target_pairs are not groups
+
+
+ALL = {tuple(range(DEVICES))}
+MODEL_GROUPS = {tuple(row) for row in np.arange(DEVICES).reshape(2, 4).tolist()}  # mesh data=2,model=4
+DATA_GROUPS = {tuple(col) for col in np.arange(DEVICES).reshape(2, 4).T.tolist()}
+
+
+def state_bytes(state):
+    """(total, on device 0) bytes of the parameters and optimizer state."""
+    leaves = jax.tree.leaves(nn.unbox((state.params, state.opt_state)))
+    return sum(x.nbytes for x in leaves), sum(x.addressable_data(0).nbytes for x in leaves)
+
+
+def shard_shapes(result):
+    """{parameter path: the shape of the piece device 0 holds}."""
+    params = nn.unbox(result.state.params)
+    return {
+        jax.tree_util.keystr(path, simple=True, separator="/"): leaf.addressable_data(0).shape
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Scripts as users run them: copied alone into a folder, from the command line
+# ----------------------------------------------------------------------------------------------
+
+
+def copy_alone(script, folder):
+    """A folder holding only the script and common.py, as a user who copied them has."""
+    for name in (f"{script}.py", "common.py"):
+        shutil.copy(ROOT / name, folder / name)
+
+
+def run_script(script, tmp_path, *flags, env=None, timeout=300):
+    copy_alone(script, tmp_path)
+    return subprocess.run(
+        [sys.executable, f"{script}.py", *flags], cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
+        env=env,
+    )  # fmt: skip
+
+
+def as_flags(settings):
+    return [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PROCESSES = 2
+
+
+@contextlib.contextmanager
+def cluster(script, tmp_path, flags, heartbeat=30):
+    """Start PROCESSES copies of a script, each with DEVICES / PROCESSES CPU devices, from a
+    folder holding only the script and common.py; kill any still running on the way out."""
+    copy_alone(script, tmp_path)
+    port = free_port()
+    procs = []
+    try:
+        for i in range(PROCESSES):
+            log = open(tmp_path / f"process{i}.log", "w")
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, f"{script}.py", *flags, f"--cpu-devices={DEVICES // PROCESSES}",
+                     f"--coordinator-address=127.0.0.1:{port}", f"--num-processes={PROCESSES}",
+                     f"--process-id={i}", f"--heartbeat-timeout={heartbeat}"],
+                    cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                )
+            )  # fmt: skip
+            log.close()
+        yield procs
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+class RuntimeAbort(AssertionError):
+    """A process of a cluster was aborted (SIGABRT) by the C++ runtime: our code never aborts."""
+
+
+def wait_ok(procs, tmp_path, timeout=600):
+    """Wait for every process of a cluster; if one fails, show what each one printed."""
+    codes = [proc.wait(timeout=timeout) for proc in procs]
+    logs = [(tmp_path / f"process{i}.log").read_text() for i in range(len(procs))]
+    if codes != [0] * len(procs):
+        report = "\n".join(
+            f"--- process {i} exited {code}, its last lines:\n{log[-4000:]}"
+            for i, (code, log) in enumerate(zip(codes, logs, strict=True))
+        )
+        raise (RuntimeAbort if -signal.SIGABRT in codes else AssertionError)(report)
+    return logs
+
+
+def once_more_after_runtime_abort(test):
+    """Run a multi-process test a second time, in a fresh folder, if the runtime aborted one
+    of its processes. The runtime (gloo collectives on CPU) has aborted a healthy 2-process
+    run in CI, rarely and not reproducibly (both processes SIGABRT, no Python error); an
+    abort that repeats, and any other failure, still fails the test."""
+
+    @functools.wraps(test)
+    def wrapper(*args, tmp_path, **kwargs):
+        for attempt in ("first", "again"):
+            (tmp_path / attempt).mkdir()
+            try:
+                return test(*args, tmp_path=tmp_path / attempt, **kwargs)
+            except RuntimeAbort as abort:
+                if attempt == "again":
+                    raise
+                warnings.warn(f"the runtime aborted a process; running the test again:\n{abort}", stacklevel=1)
+
+    return wrapper

@@ -1,0 +1,147 @@
+"""The command line, from a folder holding only the script and common.py: --help, bad input
+(one line, exit 2, nothing compiled), and what a run does from start to end: the same flags
+give the same losses, a non-finite loss stops it, --debug-nans, and the loop runs the
+program the report describes."""
+
+import os
+import re
+
+import jax
+import pytest
+
+import common
+from tests.harness import DEFAULTS, SCRIPTS, SMALL, TINY, run, run_script, run_uncached
+
+COMPILATIONS, LOWERINGS = [], []  # every XLA compilation, and every lowering to XLA, in this process
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **_: COMPILATIONS.append(event) if event.endswith("backend_compile_duration") else None
+)
+# A program found in the persistent compilation cache is not compiled, but it is lowered again.
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **_: LOWERINGS.append(event) if event.endswith("jaxpr_to_mlir_module_duration") else None
+)
+MESH_SCRIPTS = ("pjit_tp", "logical_pjit")
+# (flags, the scripts they apply to, what the one-line error must say). Every message names the
+# flag and gives a valid example ("e.g."), except argparse's own for unknown flags and values.
+BAD_INPUTS = [
+    (["--batch-size", "9"], SCRIPTS, "--batch-size must be divisible by"),
+    (["--batch-size", "16", "--microbatches", "4"], ("shardmap_dp", "fsdp"), "8 batch shards x 4 micro-batches"),
+    (["--mesh", "data=3,model=2"], MESH_SCRIPTS, "--mesh data=3,model=2 has 6 devices, not 8"),
+    (["--mesh", "data=8"], MESH_SCRIPTS, "--mesh data=8 must name the axes data and model"),
+    (["--mesh", "eight"], MESH_SCRIPTS, "--mesh eight is not axis=size pairs"),
+    (["--heads", "6", "--d-model", "96", "--mesh", "data=2,model=4"], ("pjit_tp",), "model=4 must divide --heads 6"),
+    (["--heads", "6", "--d-model", "96", "--mesh", "data=2,model=4"], ("logical_pjit",), "splits 'heads' 4 ways"),
+    (["--d-model", "36", "--rules", "fsdp"], ("logical_pjit",), "splits 'embed' 8 ways under --rules fsdp"),
+    (["--d-model", "100", "--heads", "8"], SCRIPTS, "--heads must divide --d-model 100"),
+    (["--steps", "0"], SCRIPTS, "--steps must be positive"),
+    (["--layers", "0"], SCRIPTS, "--layers must be positive"),
+    (["--seq-len", "-1"], SCRIPTS, "--seq-len must be positive"),
+    (["--lr", "0"], SCRIPTS, "--lr must be positive"),
+    (["--cpu-devices", "0"], SCRIPTS, "--cpu-devices must be positive"),
+    (["--microbatches", "0"], ("pmap_dp",), "--microbatches must be positive"),
+    (["--log-every", "0"], ("pmap_dp",), "--log-every must be positive"),
+    (["--dropout", "1"], ("pmap_dp",), "--dropout must be in [0, 1)"),
+    (["--warmup-steps", "-1"], ("pmap_dp",), "--warmup-steps must be zero or more"),
+    (["--min-shard-size", "-1"], ("fsdp",), "--min-shard-size must be zero or more"),
+    (["--dtype", "float16"], SCRIPTS, "argument --dtype: invalid choice: 'float16'"),
+    (["--rules", "zero3"], ("logical_pjit",), "argument --rules: invalid choice: 'zero3'"),
+    (["--dataset", "no_such_dataset"], ("shardmap_dp",), "--dataset no_such_dataset is neither"),
+    (["--metrics-file", "FILE/metrics.jsonl"], SCRIPTS, "--metrics-file FILE/metrics.jsonl cannot be written"),
+    (["--metrics-file", "FOLDER"], ("fsdp",), "--metrics-file FOLDER is a folder"),
+    (["--checkpoint-dir", "FILE/ckpt"], ("fsdp",), "--checkpoint-dir FILE/ckpt cannot be written"),
+    (["--stepz", "3"], SCRIPTS, "unrecognized arguments: --stepz 3"),
+    (["--steps", "three"], ("pmap_dp",), "argument --steps: invalid int value: 'three'"),
+    (["--num-processes", "2"], ("pmap_dp",), "--num-processes and --process-id need --coordinator-address"),
+    (["--coordinator-address", "localhost", "--num-processes", "2"], ("pmap_dp",), "must be host:port"),
+    (["--coordinator-address", "localhost:1", "--num-processes", "2", "--process-id", "2"], ("pmap_dp",),
+     "--process-id must be in 0..1"),
+    (["--heartbeat-timeout", "0", "--coordinator-address", "localhost:1"], ("pmap_dp",), "--heartbeat-timeout must"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "script, flags, message",
+    [(script, flags, message) for flags, scripts, message in BAD_INPUTS for script in scripts],
+    ids=[f"{script} {' '.join(flags)}" for flags, scripts, _ in BAD_INPUTS for script in scripts],
+)
+def test_bad_input_exits_2_with_one_line(script, flags, message, tmp_path, capsys):
+    """Each bad flag through the script's own command line and main(), in this process: exit 2,
+    one line on stderr naming the flag, nothing on stdout, nothing compiled."""
+    (tmp_path / "FILE").write_text("")  # a file, under which nothing can be created
+    (tmp_path / "FOLDER").mkdir()
+    flags = [str(tmp_path / f) if f.startswith(("FILE", "FOLDER")) else f for f in flags]
+    message = message.replace("FILE", str(tmp_path / "FILE")).replace("FOLDER", str(tmp_path / "FOLDER"))
+    module = SCRIPTS[script]
+    compiled_before = len(COMPILATIONS)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(common.parse_config(module.Config, module.__doc__, [*TINY, *flags]))
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+    if "invalid" not in message and "unrecognized" not in message:
+        assert "e.g." in err, err
+    assert len(COMPILATIONS) == compiled_before
+
+
+@pytest.mark.parametrize("name", DEFAULTS.values())
+def test_same_flags_same_losses_bitwise(name):
+    """Two runs with the same flags and seed, dropout on: identical losses, bit for bit."""
+    first, second = run(name, dropout=0.1).losses, run_uncached(name, dropout=0.1).losses
+    assert first == second and len(first) == SMALL["steps"]
+
+
+def test_debug_nans_turns_on_jax_nan_checks(tmp_path):
+    """With --debug-nans, JAX's own check stops the first step whose output holds a NaN (and
+    re-runs it op by op to name the operation when it can), before the loss check would."""
+    # As users run it: with conftest.py's lower XLA backend optimisation level, JAX's check
+    # did not fire here (the run still stopped at the NaN loss, by the scripts' own check).
+    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    done = run_script("shardmap_dp", tmp_path, *TINY, "--steps", "50", "--lr", "1e6", "--debug-nans", env=env)
+    assert done.returncode != 0
+    assert re.search(r"FloatingPointError: .*nan", done.stderr), done.stderr[-3000:]
+    assert "stopped: the loss is nan" not in done.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_bad_batch_size_exits_2_with_one_line(script, tmp_path):
+    done = run_script(script, tmp_path, *TINY, "--batch-size", "9")  # no mesh here splits 9 rows
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1 and "--batch-size" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_help_lists_every_flag(tmp_path):
+    done = run_script("logical_pjit", tmp_path, "--help")
+    assert done.returncode == 0
+    for field in SCRIPTS["logical_pjit"].Config.__dataclass_fields__:
+        assert "--" + field.replace("_", "-") in done.stdout
+
+
+def test_non_finite_loss_stops_and_is_never_saved(tmp_path):
+    done = run_script("fsdp", tmp_path, *TINY, "--steps", "50", "--lr", "1e6", "--checkpoint-dir", "ckpt",
+                      "--checkpoint-every", "1")  # fmt: skip
+    assert done.returncode == 1
+    message = done.stderr.strip().splitlines()[-1]
+    bad = int(re.search(r"the loss is (nan|inf) at step (\d+)", message).group(2))
+    assert "last finite loss" in message
+    saved = [int(n) for n in os.listdir(tmp_path / "ckpt") if n.isdigit()]
+    assert saved and max(saved) < bad
+
+
+def test_pmap_loop_runs_the_compiled_program():
+    """pmap_dp.py's loop calls step_fn, not the AOT-compiled step the report describes; pmap
+    runs the executable it compiled then, so the loop lowers and compiles nothing new."""
+    compile_step, counts = common.compile_step, []
+
+    def counting_compile_step(*args):
+        compiled = compile_step(*args)
+        counts.append((len(LOWERINGS), len(COMPILATIONS)))
+        return compiled
+
+    common.compile_step = counting_compile_step
+    try:
+        result = run_uncached("pmap_dp", steps=5, eval_every=0)
+    finally:
+        common.compile_step = compile_step
+    assert len(result.losses) == 5 and counts == [(len(LOWERINGS), len(COMPILATIONS))]

@@ -1,0 +1,132 @@
+"""The data: batches that depend only on (seed, step), whatever the devices and processes;
+the synthetic source's loss floor; real text through TFDS, on a dataset the tests build
+(nothing can be downloaded in CI)."""
+
+import json
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+
+import common
+from tests.harness import DEFAULTS, SMALL, TINY, run, run_script
+
+
+def test_batches_depend_only_on_seed_and_step():
+    data = common.SyntheticData(seed=3, seq_len=16)
+    whole = data.batch(7, 0, 8)
+    assert (np.concatenate([data.batch(7, 0, 3), data.batch(7, 3, 8)]) == whole).all()
+    assert (common.SyntheticData(seed=3, seq_len=16).batch(7, 0, 8) == whole).all()
+    assert not (data.batch(8, 0, 8) == whole).all()
+    assert not (common.SyntheticData(seed=4, seq_len=16).batch(7, 0, 8) == whole).all()
+    assert whole.dtype == np.int32 and whole.shape == (8, 17)
+
+
+def test_process_slices_are_disjoint_and_cover_the_batch():
+    data, batch_size = common.SyntheticData(seed=0, seq_len=8), 16
+    for processes in (1, 2, 4, 8):
+        rows = [common.process_rows(batch_size, p, processes) for p in range(processes)]
+        assert sorted(r for part in rows for r in part) == list(range(batch_size))
+        slices = [data.batch(5, part.start, part.stop) for part in rows]
+        assert (np.concatenate(slices) == data.batch(5, 0, batch_size)).all()
+
+
+def test_loss_floor_is_the_sampled_entropy_rate():
+    data = common.SyntheticData(seed=0, seq_len=256)
+    tokens = data.batch(0, 0, 64)
+    probs = np.diff(data.cumulative, prepend=0, axis=1)
+    previous, following = tokens[:, :-1].ravel(), tokens[:, 1:].ravel()
+    slot = (data.successors[previous] == following[:, None]).argmax(axis=1)
+    assert (data.successors[previous, slot] == following).all()  # only allowed transitions
+    empirical = -np.log(probs[previous, slot]).mean()
+    assert abs(empirical - data.loss_floor) < 0.03 * data.loss_floor
+
+
+def words(seed, count):
+    """Seeded pseudo-English: the bytes of any window say where in the text it came from."""
+    vocabulary = "the of and to in a that is was he for it with as his on be at by had not are but from".split()
+    rng = np.random.default_rng(seed)
+    return " ".join(vocabulary[i] + str(rng.integers(10)) for i in rng.integers(len(vocabulary), size=count))
+
+
+TEXTS = {"train": words(0, 12_000), "validation": words(1, 1_000), "test": words(2, 1_000)}
+
+
+class TinyText(tfds.core.GeneratorBasedBuilder):
+    """tiny_shakespeare's features and splits: one long `text` per split."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    def _info(self):
+        return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
+
+    def _split_generators(self, dl_manager):
+        return {split: self._generate_examples(text) for split, text in TEXTS.items()}
+
+    def _generate_examples(self, text):
+        yield 0, {"text": text}
+
+
+@pytest.fixture(scope="session")
+def text_data_dir(tmp_path_factory):
+    data_dir = tmp_path_factory.mktemp("tfds")
+    TinyText(data_dir=data_dir, file_format="array_record").download_and_prepare()
+    return str(data_dir)
+
+
+def test_text_batches_are_windows_of_the_text(text_data_dir):
+    config = common.Config(**{**SMALL, "dataset": "tiny_text", "data_dir": text_data_dir})
+    data = common.load_dataset(config)
+    batch = data.batch(3, 0, config.batch_size)
+    assert batch.shape == (16, 33) and batch.dtype == np.int32
+    for split, text in (("train", TEXTS["train"]), ("eval", TEXTS["validation"])):
+        for row in data.batch(3, 0, config.batch_size, split):
+            assert bytes(row.astype(np.uint8)).decode() in text
+    assert (data.batch(3, 0, 16) == batch).all() and not (data.batch(4, 0, 16) == batch).all()
+    slices = [data.batch(3, r.start, r.stop) for r in (common.process_rows(16, p, 2) for p in range(2))]
+    assert (np.concatenate(slices) == batch).all()
+
+
+@pytest.mark.parametrize("name", DEFAULTS.values())
+def test_scripts_learn_a_tfds_dataset_with_dropout(name, text_data_dir, tmp_path):
+    """Every script, through the real TFDS loading path, with dropout on: the loss falls well
+    below its start, and the held-out loss is logged and falls too."""
+    metrics = tmp_path / "metrics.jsonl"
+    tfds_run = {"dataset": "tiny_text", "data_dir": text_data_dir, "steps": 16, "eval_every": 8, "dropout": 0.1}
+    result = run(name, **tfds_run, metrics_file=str(metrics))
+    evals = [r["eval_loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "eval_loss" in r]
+    print(
+        f"\n{name} on tiny_text, dropout 0.1: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}, held-out {evals}"
+    )
+    assert result.losses[-1] < 0.7 * result.losses[0]
+    assert len(evals) == 2 and evals[1] < evals[0]
+    assert result.summary["eval_loss"] == evals[-1] and result.summary["loss_floor"] is None
+
+
+def test_command_line_reads_a_prepared_tfds_dataset(text_data_dir, tmp_path):
+    # A fresh process knows no TinyText class: TFDS reads the prepared files on their own.
+    done = run_script(
+        "fsdp", tmp_path, *TINY, "--dataset", "tiny_text", "--data-dir", text_data_dir, "--eval-every", "3"
+    )
+    assert done.returncode == 0, done.stderr
+    assert "TFDS tiny_text" in done.stdout and "eval at step 3" in done.stdout
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--dataset", "no_such_dataset"], "--dataset no_such_dataset is neither"),
+        (["--dataset", "tiny_text", "--text-key", "body"], "--text-key body is not a text feature of tiny_text"),
+        # CI reaches no internet, so preparing tiny_shakespeare in an empty folder must fail.
+        (["--dataset", "tiny_shakespeare", "--data-dir", "EMPTY"], "--dataset tiny_shakespeare is not prepared"),
+    ],
+    ids=["unknown", "no text key", "cannot prepare"],
+)
+def test_bad_dataset_exits_2_with_one_line(flags, message, text_data_dir, tmp_path):
+    flags = [str(tmp_path / "empty") if f == "EMPTY" else f for f in flags]
+    data_dir = [] if "--data-dir" in flags else ["--data-dir", text_data_dir]
+    done = run_script("shardmap_dp", tmp_path, *TINY, *flags, *data_dir)
+    assert done.returncode == 2, done.stderr[-2000:]
+    error_lines = [line for line in done.stderr.splitlines() if line.startswith("shardmap_dp.py: error:")]
+    assert len(error_lines) == 1 and message in error_lines[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "compiled" not in done.stdout
