@@ -11,14 +11,18 @@ import argparse
 import dataclasses
 import functools
 import json
+import logging
 import math
 import os
 import re
 import signal
 import socket
 import sys
+import tempfile
 import time
+import traceback
 import typing
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -536,13 +540,6 @@ def check_flags(config: Config):
         "num_processes",
         "and --process-id need --coordinator-address host:port of process 0, e.g. --coordinator-address 10.0.0.1:1234",
     )
-    for name, path in (("metrics_file", config.metrics_file), ("checkpoint_dir", config.checkpoint_dir)):
-        if path:  # the first folder that exists on the way must take new files
-            folder = os.path.abspath(path) if name == "checkpoint_dir" else os.path.dirname(os.path.abspath(path))
-            while not os.path.exists(folder):
-                folder = os.path.dirname(folder)
-            writable = os.path.isdir(folder) and os.access(folder, os.W_OK)
-            require(writable, name, f"{path} cannot be written: {folder} is not a writable folder, e.g. --{name} run/")
     require(
         not (config.metrics_file and os.path.isdir(config.metrics_file)),
         "metrics_file",
@@ -633,8 +630,31 @@ def _start_and_check(config: Config):
     if (config.coordinator_address or config.distributed) and not jax.distributed.is_initialized():
         _start_distributed(config)
     config.validate()
+    prepare_output_folders(config)
     load_dataset(config)  # a dataset that cannot be read is bad input too
-    check_checkpoint(config)  # and so is a checkpoint of another model
+    check_checkpoint(config)  # and so is a checkpoint folder in use, unreadable or of another model
+
+
+def prepare_output_folders(config: Config):
+    """Create the folders of --metrics-file and --checkpoint-dir, and check that they take files."""
+    outputs = [("checkpoint_dir", config.checkpoint_dir, config.checkpoint_dir, "runs/ckpt")]
+    if is_main_process():  # only process 0 writes the metrics
+        folder = os.path.dirname(config.metrics_file or "") or "."
+        outputs.append(("metrics_file", config.metrics_file, folder, "runs/metrics.jsonl"))
+    for name, path, folder, example in outputs:
+        if not path or "://" in path:  # a remote folder (gs://...) is Orbax's to reach
+            continue
+        try:
+            os.makedirs(folder, exist_ok=True)
+            with tempfile.TemporaryFile(dir=folder):
+                pass
+        except OSError as error:
+            reason = f"{error.strerror}: {error.filename}" if error.filename else error.strerror
+            require(
+                False,
+                name,
+                f"{path} cannot be written ({reason}); give a folder you can write, e.g. --{name.replace('_', '-')} {example}",
+            )
 
 
 def _start_distributed(config: Config):
@@ -645,7 +665,11 @@ def _start_distributed(config: Config):
         address, processes, process_id = None, None, None
     else:
         host, _, port = config.coordinator_address.rpartition(":")
-        require(host and port.isdigit(), "coordinator_address", "must be host:port, e.g. 10.0.0.1:1234")
+        require(
+            host and port.isdigit(),
+            "coordinator_address",
+            "must be host:port, e.g. --coordinator-address 10.0.0.1:1234",
+        )
         require(config.num_processes > 0, "num_processes", "must be positive, e.g. --num-processes 2")
         require(
             0 <= config.process_id < config.num_processes,
@@ -764,6 +788,17 @@ def _hide_gpus_from_tensorflow():
 # ----------------------------------------------------------------------------------------------
 
 
+# What a checkpoint records of the run's flags. Flags that change what the saved weights mean
+# cannot change on resume; flags that change the rest of the trajectory can, and the run says
+# so. Every other flag (the strategy, its mesh, the devices and processes, logging, how often
+# to save) may change freely: a checkpoint holds global arrays, whatever wrote them.
+SHAPE_FLAGS = ("layers", "d_model", "heads", "seq_len", "scan_layers")
+TRAJECTORY_FLAGS = (
+    "steps", "batch_size", "lr", "warmup_steps", "weight_decay", "seed", "dropout", "dtype", "microbatches",
+    "dataset", "text_key",
+)  # fmt: skip
+
+
 def saved_as_is(state):
     return state  # the default: the state is already in the checkpoint layout
 
@@ -773,7 +808,8 @@ def restored_as_is(saved, state):
 
 
 class Checkpoints:
-    """Orbax checkpoints (its V1 training API) in one layout that every script reads and writes.
+    """Orbax checkpoints (its V1 training API) in one layout that every script reads and writes,
+    and the signals that stop a run cleanly.
 
     The layout is the TrainState as global arrays: parameters, optimizer state, step and rng.
     A script whose state differs passes `to_saved` and `from_saved`: pmap_dp.py keeps one copy
@@ -781,75 +817,293 @@ class Checkpoints:
     freshly initialised state, so every process reads only its own shards, straight into the
     script's layout, and no device ever holds a full copy it would not hold anyway. The data
     position is not saved: each batch follows from its step. A save is complete or absent: a
-    process killed while saving leaves only a temporary folder, which is never read.
+    process killed while saving leaves only a temporary folder, which is never read. Each
+    checkpoint also records the run's flags (SHAPE_FLAGS, TRAJECTORY_FLAGS).
+
+    Ctrl-C (SIGINT) and SIGTERM, what a TPU VM receives before maintenance, let the current step
+    finish, save it and stop the run; a second Ctrl-C stops at once.
     """
 
     def __init__(self, config: Config, to_saved: Callable = saved_as_is, from_saved: Callable = restored_as_is):
         self.config, self.to_saved, self.from_saved = config, to_saved, from_saved
-        self.checkpointer, self.sigterm = None, False
+        self.checkpointer, self.saving = None, None  # saving: (step, Orbax's response) of the save under way
+        self.failed = False
+        self.stop_signal = None
+        # With several processes, JAX's preemption service owns SIGTERM: it tells every process
+        # at which step to stop, so that all of them save the same one.
+        handled = (signal.SIGINT, signal.SIGTERM) if jax.process_count() == 1 else (signal.SIGINT,)
+        self.previous_handlers = {s: signal.signal(s, self._on_signal) for s in handled}
         if not config.checkpoint_dir:
             return
         from orbax.checkpoint import v1 as ocp
 
+        _quiet_orbax()
         self.checkpointer = ocp.training.Checkpointer(
             os.path.abspath(config.checkpoint_dir),
             preservation_policy=ocp.training.preservation_policies.LatestN(config.keep),
             cleanup_tmp_directories=True,
         )
-        if jax.process_count() == 1:  # with several processes, JAX's preemption notifier owns SIGTERM
-            self.previous_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
 
-    def _on_sigterm(self, signum, frame):
-        self.sigterm = True  # what a TPU VM receives before maintenance: finish the step, save, stop
+    def _on_signal(self, signum, frame):
+        name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+        if self.stop_signal is not None and signum == signal.SIGINT:
+            print(f"{name} again: stopping now; the last complete checkpoint is kept", file=sys.stderr, flush=True)
+            os._exit(130)
+        self.stop_signal = signum
+        what = "save and stop" if self.checkpointer else "stop (no --checkpoint-dir: nothing is saved)"
+        print(f"{name}: the run will finish its step, {what}; Ctrl-C again stops at once", flush=True)
+        if jax.process_count() > 1:  # tell the other processes, through JAX's preemption service
+            os.kill(os.getpid(), signal.SIGTERM)
 
     def restore(self, state):
-        """The state of the latest checkpoint, laid out like `state`, and its step (0 if none)."""
-        latest = self.checkpointer.latest if self.checkpointer else None
-        if latest is None:
+        """The state of the newest readable checkpoint, laid out like `state`, and its step (0
+        if there is none). A checkpoint that cannot be read is moved aside, never deleted."""
+        if self.checkpointer is None or not self.checkpointer.checkpoints:
             return state, 0
         target = jax.tree.map(
             lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.to_saved(state)
         )
-        saved = self.checkpointer.load(latest.step, target)
-        done = " (--steps reached: nothing to train)" if latest.step >= self.config.steps else ""
+        failures = []
+        for step in sorted((c.step for c in self.checkpointer.checkpoints), reverse=True):
+            try:
+                saved, error = self.checkpointer.load(step, target), None
+            except Exception as exception:  # Orbax's errors have no common type
+                saved, error = None, exception
+            if all_processes_agree(error is None):
+                done = " (--steps reached: nothing to train)" if step >= self.config.steps else ""
+                log_print(f"resumed from the checkpoint of step {step} in {self.config.checkpoint_dir}{done}")
+                return self.from_saved(saved, state), step
+            failures.append(f"{step}: {_checkpoint_problem(error)}")
+            self._set_aside(step, failures[-1])
+        exit_bad_input(
+            f"--checkpoint-dir {self.config.checkpoint_dir} holds no readable checkpoint ({'; '.join(failures)}); "
+            "give another folder, e.g. --checkpoint-dir runs/new"
+        )
+
+    def _set_aside(self, step: int, problem: str):
+        """Move an unreadable checkpoint out of Orbax's way, to `STEP.unreadable`: left in place,
+        it would count as the newest checkpoint, and Orbax would delete good ones to keep it."""
+        folder = os.path.join(os.path.abspath(self.config.checkpoint_dir), str(step))
+        aside = f"{folder}.unreadable"
         if is_main_process():
-            print(f"resumed from the checkpoint of step {latest.step} in {self.config.checkpoint_dir}{done}")
-        return self.from_saved(saved, state), latest.step
+            suffix = 1
+            while os.path.exists(aside):
+                suffix, aside = suffix + 1, f"{folder}.unreadable{suffix + 1}"
+            os.rename(folder, aside)
+            print(f"the checkpoint of step {problem}; moved it to {aside} and tried the one before", flush=True)
+        if jax.process_count() > 1:
+            multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
+        self.checkpointer.reload()
 
     def save(self, step: int, state, log) -> bool:
         """After step `step` (from 0): save every --checkpoint-every steps, after the last step and
-        when preempted. Returns True when preempted: the run should stop now."""
-        if self.checkpointer is None:
-            return False
+        when asked to stop. Returns True when asked to stop: the run should stop now."""
         done = step + 1
-        preempted = self.sigterm
+        stop = self.stop_signal is not None
         if jax.process_count() > 1:  # every process stops at the same step, the one they agree on
-            preempted = multihost_utils.reached_preemption_sync_point(done)
-        if preempted or done % self.config.checkpoint_every == 0 or done == self.config.steps:
+            stop = multihost_utils.reached_preemption_sync_point(done)
+        self._check_last_save(wait=False)
+        if self.checkpointer and (stop or done % self.config.checkpoint_every == 0 or done == self.config.steps):
             log.losses.fetch()  # stops at a non-finite loss: such a state is never saved
-            self.checkpointer.save_async(done, self.to_saved(state), force=True)  # the schedule is ours
-        if preempted:
-            log.print(f"preempted: saved the checkpoint of step {done} and stopped")
-        return preempted
+            self._check_last_save(wait=True)
+            flags = {name: getattr(self.config, name) for name in SHAPE_FLAGS + TRAJECTORY_FLAGS}
+            try:  # the schedule is ours: force
+                response = self.checkpointer.save_async(
+                    done, self.to_saved(state), force=True, custom_metadata={"flags": flags}
+                )
+            except Exception as error:
+                self._fail(done, error)
+            self.saving = (done, response)
+        if stop:
+            saved = f"saved the checkpoint of step {done}" if self.checkpointer else f"at step {done}, nothing saved"
+            log.print(f"stopped: {saved}")
+        return stop
+
+    def _check_last_save(self, wait: bool):
+        """Stop the run with one line if the save under way failed (a full disk, say)."""
+        if self.saving is None:
+            return
+        step, response = self.saving
+        try:
+            response.result(timeout=None if wait else 0)
+        except TimeoutError:
+            return  # still being written
+        except Exception as error:
+            self._fail(step, error)
+        self.saving = None
+
+    def _fail(self, step: int, error: Exception):
+        self.saving, self.failed = None, True
+        raise SystemExit(
+            f"error: could not save the checkpoint of step {step} in {self.config.checkpoint_dir} "
+            f"({_checkpoint_problem(error)}); the checkpoints before it are intact"
+        ) from None
 
     def close(self):
-        if self.checkpointer:
-            self.checkpointer.close()  # waits for the saves still being written
-            if jax.process_count() == 1:
-                signal.signal(signal.SIGTERM, self.previous_handler)
+        """Wait for the saves still being written; give the folder and the signals back."""
+        for signum, handler in self.previous_handlers.items():
+            signal.signal(signum, handler)
+        if not self.checkpointer:
+            return
+        try:
+            self._check_last_save(wait=True)
+        finally:
+            try:
+                self.checkpointer.close()  # re-raises the error of a failed save, reported already
+            except Exception as error:
+                if not self.failed:
+                    self._fail(self.config.steps, error)
+            finally:
+                release_folder(self.config.checkpoint_dir)
+
+
+def _checkpoint_problem(error: Exception) -> str:
+    """One line saying what is wrong with a checkpoint, from the root of Orbax's error chain."""
+    while (error.__cause__ or error.__context__) is not None:
+        error = error.__cause__ or error.__context__
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    known = {  # the first that the message contains
+        "No space left": "the disk is full",
+        "File too large": "a file grew larger than the file system allows",
+        "Failed writing": "a write failed",
+        "NOT_FOUND": "a file of it is missing",
+        "OUT_OF_RANGE": "a file of it is cut short",
+        "DATA_LOSS": "a file of it is corrupt",
+        "not found in the checkpoint": "it holds no saved state",
+    }
+    for key, meaning in known.items():
+        if key in text:
+            detail = re.search(r'"([^"]*/[^"]*)"', text)  # the file, when the message names one
+            return f"{meaning}{f' ({detail.group(1)})' if detail else ''}"
+    if isinstance(error, json.JSONDecodeError):
+        return f"its metadata is not valid JSON ({error})"
+    return f"{type(error).__name__}: {text[:160]}"
+
+
+class _DropOrbaxLogs(logging.Filter):
+    def filter(self, record):
+        return "/orbax/" not in record.pathname and "orbax" not in record.getMessage()
+
+
+def _quiet_orbax():
+    """Orbax logs each error of a failed save or load at length (tracebacks, TensorStore specs;
+    thousands of lines), from its own threads. The checkpoint code reports those errors itself,
+    in one line, so Orbax's logs and the stray errors of its abandoned coroutines are dropped."""
+    for name in ("absl", "asyncio"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropOrbaxLogs) for f in logger.filters):
+            logger.addFilter(_DropOrbaxLogs())
+    warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
+    if getattr(sys.unraisablehook, "drops_orbax", False):
+        return
+    default_hook = sys.unraisablehook
+
+    def unraisable_hook(unraisable):
+        where = "".join(traceback.format_tb(unraisable.exc_traceback)) if unraisable.exc_traceback else ""
+        if "/orbax/" not in where and "Event loop is closed" not in str(unraisable.exc_value):
+            default_hook(unraisable)
+
+    unraisable_hook.drops_orbax = True
+    sys.unraisablehook = unraisable_hook
+
+
+def all_processes_agree(ok: bool) -> bool:
+    """True when `ok` is true on every process."""
+    if jax.process_count() == 1:
+        return ok
+    return bool(multihost_utils.process_allgather(np.array(ok)).all())
+
+
+def log_print(text: str):
+    if is_main_process():
+        print(text, flush=True)
+
+
+_HELD = {}  # the checkpoint folders this process holds: absolute path -> its open lock file
+
+
+def hold_folder(folder: str):
+    """Hold --checkpoint-dir for this run, so that a second run on the same folder stops at once
+    instead of interleaving its checkpoints with ours. The lock is the operating system's
+    (flock on FOLDER/.lock): it dies with the process, so a killed run never leaves it held."""
+    import fcntl
+
+    path = os.path.abspath(folder)
+    if path in _HELD or "://" in folder or not is_main_process():  # process 0 holds it for all
+        return
+    lock = open(os.path.join(path, ".lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "another run"
+        lock.close()
+        raise ConfigError(
+            f"--checkpoint-dir {folder} is in use by {holder}; one run at a time per folder: wait for it to end, "
+            "or give another folder, e.g. --checkpoint-dir runs/new"
+        ) from None
+    except OSError:  # a file system without locks (some network ones): run unprotected
+        return
+    lock.seek(0)
+    lock.truncate()
+    lock.write(f"a run on host {socket.gethostname()}, process id {os.getpid()}, started {time.ctime()}\n")
+    lock.flush()
+    _HELD[path] = lock
+
+
+def release_folder(folder: str):
+    lock = _HELD.pop(os.path.abspath(folder), None)
+    if lock:
+        lock.close()  # closing the file releases the lock
+
+
+def checkpoint_steps(folder: str) -> list:
+    """The steps of the checkpoints in a folder (its sub-folders named by a number), newest first."""
+    names = os.listdir(folder) if os.path.isdir(folder) else []
+    return sorted((int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(folder, n))), reverse=True)
 
 
 def check_checkpoint(config: Config):
-    """A checkpoint of another model configuration is bad input: name its first odd parameter."""
-    if not config.checkpoint_dir or not os.path.isdir(config.checkpoint_dir):
+    """Before anything is compiled: hold --checkpoint-dir, check that it is a checkpoint folder,
+    and that its newest readable checkpoint is of this model. Say which flags of the trajectory
+    changed since it was saved."""
+    folder = config.checkpoint_dir
+    if not folder or "://" in folder:
         return
+    hold_folder(folder)
+    steps = checkpoint_steps(folder)
+    if not steps:
+        return
+    if not any(os.path.exists(os.path.join(folder, str(step), "_CHECKPOINT_METADATA")) for step in steps):
+        raise ConfigError(
+            f"--checkpoint-dir {folder} holds folders named {', '.join(map(str, sorted(steps)))} that are not checkpoints; "
+            "give an empty or new folder, e.g. --checkpoint-dir runs/new"
+        )
     from orbax.checkpoint import v1 as ocp
 
-    with ocp.training.Checkpointer(os.path.abspath(config.checkpoint_dir)) as checkpointer:
-        latest = checkpointer.latest
-        if latest is None:
+    _quiet_orbax()
+    with ocp.training.Checkpointer(os.path.abspath(folder)) as checkpointer:
+        for step in steps:
+            try:
+                metadata = checkpointer.metadata(step)
+                saved = metadata.metadata["params"]
+            except Exception:  # unreadable: restore() says so and moves it aside
+                continue
+            flags = (metadata.custom_metadata or {}).get("flags", {})
+            _compare_with_checkpoint(config, step, flags, saved)
             return
-        saved = checkpointer.metadata(latest.step).metadata["params"]
+
+
+def _compare_with_checkpoint(config: Config, step: int, flags: dict, saved_params):
+    where = f"the checkpoint of step {step} in {config.checkpoint_dir}"
+    for name in SHAPE_FLAGS:
+        if name in flags and flags[name] != getattr(config, name):
+            require(
+                False,
+                name,
+                f"{getattr(config, name)} differs from {flags[name]} in {where}, which changes what its weights "
+                f"mean; resume with --{name.replace('_', '-')} {flags[name]} or give another --checkpoint-dir",
+            )
     expected = jax.eval_shape(lambda: nn.unbox(init_params(config, jax.random.key(0))))
 
     def shapes(tree):
@@ -858,7 +1112,7 @@ def check_checkpoint(config: Config):
             for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
         }
 
-    saved, expected = shapes(saved), shapes(expected)
+    saved, expected = shapes(saved_params), shapes(expected)
     for name in sorted(saved.keys() | expected.keys()):
         if saved.get(name) != expected.get(name):
             raise ConfigError(
@@ -866,6 +1120,13 @@ def check_checkpoint(config: Config):
                 f"{saved.get(name, 'absent')} there but {expected.get(name, 'absent')} here "
                 "(check --layers, --d-model, --heads, --seq-len, --scan-layers)"
             )
+    changed = [
+        f"--{name.replace('_', '-')} {flags[name]} -> {getattr(config, name)}"
+        for name in TRAJECTORY_FLAGS
+        if name in flags and flags[name] != getattr(config, name)
+    ]
+    if changed:
+        log_print(f"resuming with changed flags: {', '.join(changed)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1119,6 +1380,32 @@ class StepLosses:
         return self.values
 
 
+def open_metrics_file(path: str, start: int):
+    """--metrics-file, open for appending the records of the steps after `start`, and the
+    records it keeps, of the steps up to `start`. A run resumed from the checkpoint of step
+    `start` keeps those; records after it (written before a stop between two checkpoints, or cut
+    short by a crash) and earlier summary lines are dropped, so that the file of an interrupted
+    and resumed run reads like an uninterrupted run's. A new run (start 0) starts it afresh. The
+    kept records are written to a new file that replaces the old one in one step, so a crash
+    here loses nothing."""
+    kept = []
+    if start and os.path.exists(path):
+        with open(path) as old:
+            for line in old:
+                try:
+                    record = json.loads(line)
+                except ValueError:  # a line cut short by a crash
+                    continue
+                if isinstance(record, dict) and record.get("step", start + 1) <= start:
+                    kept.append(record)
+    with open(f"{path}.new", "w") as new:
+        new.writelines(json.dumps(record) + "\n" for record in kept)
+        new.flush()
+        os.fsync(new.fileno())
+    os.replace(f"{path}.new", path)
+    return open(path, "a"), kept
+
+
 @dataclasses.dataclass
 class Result:
     losses: list  # the mean training loss of every step
@@ -1131,11 +1418,13 @@ class Logger:
     """Prints what the run is before it starts, a line every --log-every steps and a report at
     the end (process 0 only), and writes the same to --metrics-file as JSON Lines."""
 
-    def __init__(self, config: Config, dataset, layout: str, report: dict, params):
-        self.config, self.dataset, self.report = config, dataset, report
+    def __init__(self, config: Config, dataset, layout: str, report: dict, params, start: int):
+        self.config, self.dataset, self.report, self.start = config, dataset, report, start
         self.tokens_per_step = config.batch_size * config.seq_len
         self.losses, self.step_seconds, self.eval_loss = StepLosses(), [], None
-        self.file = open(config.metrics_file, "w") if config.metrics_file and is_main_process() else None
+        self.file, self.earlier = None, []  # earlier: the records of the steps before `start`
+        if config.metrics_file and is_main_process():
+            self.file, self.earlier = open_metrics_file(config.metrics_file, start)
         devices = jax.devices()
         self.info = {
             "platform": devices[0].platform,
@@ -1212,11 +1501,15 @@ class Logger:
         step_seconds = float(np.median(self.step_seconds)) if steps else None
         tokens_per_sec = self.tokens_per_step / step_seconds if steps else None
         peak = peak_flops()
+        # The whole run's: a resumed run's file holds the records of the steps before it.
+        earlier_losses = [r["loss"] for r in self.earlier if "loss" in r]
+        earlier_evals = [r["eval_loss"] for r in self.earlier if "eval_loss" in r]
         summary = {
             **self.info,
-            "steps": steps,
-            "final_loss": losses[-1] if steps else None,
-            "eval_loss": self.eval_loss,
+            "steps": self.start + steps,
+            "resumed_from": self.start or None,
+            "final_loss": (earlier_losses + losses or [None])[-1],
+            "eval_loss": self.eval_loss if self.eval_loss is not None else (earlier_evals or [None])[-1],
             "loss_floor": getattr(self.dataset, "loss_floor", None),
             "tokens_per_sec": tokens_per_sec,
             "step_seconds": step_seconds,

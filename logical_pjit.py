@@ -157,7 +157,7 @@ def main(config):
         compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
     report = common.cost_report(config, state, compiled, compile_seconds)
     layout = f"mesh data={mesh.shape['data']},model={mesh.shape['model']}, rules {config.rules}"
-    log = common.Logger(config, dataset, layout, report, state.params)
+    log = common.Logger(config, dataset, layout, report, state.params, start)
     try:
         for step in range(start, config.steps):
             batch = device_batch(common.host_batch(dataset, config, step), mesh, rules)
@@ -167,7 +167,7 @@ def main(config):
             if log.eval_due(step):
                 with jax.set_mesh(mesh), nn.logical_axis_rules(rules):  # traced here the first time
                     log.eval(step, eval_fn, state, eval_data)
-            if checkpoints.save(step, state, log):  # preempted: saved, stop
+            if checkpoints.save(step, state, log):  # Ctrl-C or SIGTERM: saved, stop
                 break
     finally:
         checkpoints.close()  # lets the saves still being written finish, whatever happened

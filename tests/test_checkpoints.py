@@ -1,5 +1,6 @@
-"""Checkpoints: exact resume, resume under another script, preemption, crash safety, and
-the checkpoint folders that are bad input."""
+"""Checkpoints and the run's data: exact resume, resume under another script, a metrics file
+that survives a resume, preemption and Ctrl-C, crash safety, a full disk, one run per folder,
+unreadable checkpoints, changed flags, and the checkpoint folders that are bad input."""
 
 import json
 import os
@@ -18,6 +19,11 @@ from tests.harness import (
 )  # fmt: skip
 
 
+def steps_in(folder):
+    """The checkpoints in a folder, oldest first."""
+    return sorted(int(name) for name in os.listdir(folder) if name.isdigit())
+
+
 def interrupted(name, checkpoint_dir, **flags):
     """Train 20 steps saving at 10 and 20, then forget step 20: as if stopped after step 10."""
     result = run_uncached(name, checkpoint_dir=str(checkpoint_dir), checkpoint_every=10, **flags)
@@ -31,7 +37,7 @@ def test_resume_is_exact_in_the_same_script(name, tmp_path):
     resumed = run_uncached(name, checkpoint_dir=str(tmp_path), checkpoint_every=10, dropout=0.1)
     print(f"\n{name} resumed at step 10: {len(resumed.losses)} steps, bitwise equal")
     assert resumed.losses == first.losses[10:]  # bitwise
-    assert sorted(os.listdir(tmp_path)) == ["10", "20"]
+    assert steps_in(tmp_path) == [10, 20]
 
 
 @pytest.mark.parametrize("writer, reader", [("fsdp", "logical_fsdp_tp"), ("pmap_dp", "fsdp")])
@@ -67,21 +73,68 @@ def start_training(tmp_path, *flags):
     return proc
 
 
-def test_sigterm_saves_and_exits_0(tmp_path):
-    proc = start_training(tmp_path, "--checkpoint-every", "1000")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+def test_a_stop_signal_saves_writes_the_summary_and_exits_0(signum, tmp_path):
+    """SIGTERM (preemption) and Ctrl-C finish the step, save it, write the summary and exit 0;
+    the resumed run continues the same metrics file, every step once."""
+    proc = start_training(tmp_path, "--checkpoint-every", "1000", "--metrics-file", "metrics.jsonl")
     try:
         wait_for(lambda: re.search(r"step +2/", (tmp_path / "out.log").read_text()), [proc])
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(signum)
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     out = (tmp_path / "out.log").read_text()
-    stopped = int(re.search(r"preempted: saved the checkpoint of step (\d+)", out).group(1))
-    assert os.listdir(tmp_path / "ckpt") == [str(stopped)]
-    done = run_script("shardmap_dp", tmp_path, *TINY, "--steps", str(stopped + 2), "--checkpoint-dir", "ckpt")
+    assert "Traceback" not in out
+    stopped = int(re.search(r"stopped: saved the checkpoint of step (\d+)", out).group(1))
+    assert steps_in(tmp_path / "ckpt") == [stopped]
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["summary"]["steps"] == stopped
+    done = run_script("shardmap_dp", tmp_path, *TINY, "--steps", str(stopped + 2), "--checkpoint-dir", "ckpt",
+                      "--metrics-file", "metrics.jsonl")  # fmt: skip
     assert done.returncode == 0 and f"resumed from the checkpoint of step {stopped}" in done.stdout
-    assert f"step {stopped + 1}/" in done.stdout and f"step {stopped}/" not in done.stdout
+    assert re.search(rf"step +{stopped + 1}/", done.stdout) and not re.search(rf"step +{stopped}/", done.stdout)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records[:-1]] == list(range(1, stopped + 3))
+    assert records[-1]["summary"]["steps"] == stopped + 2 and records[-1]["summary"]["resumed_from"] == stopped
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path, monkeypatch, capsys):
+    """The first Ctrl-C asks for a clean stop; the second exits at once with status 130."""
+    import common
+    import shardmap_dp
+
+    exits = []
+    monkeypatch.setattr(os, "_exit", exits.append)
+    checkpoints = common.Checkpoints(shardmap_dp.Config(**SMALL))
+    try:
+        checkpoints._on_signal(signal.SIGINT, None)
+        assert checkpoints.stop_signal == signal.SIGINT and exits == []
+        checkpoints._on_signal(signal.SIGINT, None)
+        assert exits == [130]
+    finally:
+        checkpoints.close()
+    out, err = capsys.readouterr()
+    assert "Ctrl-C: the run will finish its step" in out and "Ctrl-C again: stopping now" in err
+
+
+def test_a_resumed_run_keeps_every_metrics_record(tmp_path):
+    """A run stopped between two checkpoints (here: after step 20, whose checkpoint is lost) and
+    resumed from the one before (step 10) writes a metrics file like an uninterrupted run's:
+    every step once, in order, and one summary of the whole run."""
+    metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
+    first = interrupted("shardmap_dp", ckpt, log_every=1, metrics_file=str(metrics))
+    with metrics.open("a") as file:
+        file.write('{"step": 21, "lo')  # and a record cut short by the crash
+    resumed = run_uncached(
+        "shardmap_dp", checkpoint_dir=str(ckpt), checkpoint_every=10, log_every=1, metrics_file=str(metrics)
+    )
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records[:-1]] == list(range(1, 21)) and "summary" in records[-1]
+    assert [r["loss"] for r in records[:-1]] == first.losses  # bitwise: the same steps
+    summary = records[-1]["summary"]
+    assert (summary["steps"], summary["resumed_from"], summary["final_loss"]) == (20, 10, resumed.losses[-1])
 
 
 def test_a_save_killed_halfway_is_never_read(tmp_path):
@@ -108,11 +161,19 @@ def test_a_save_killed_halfway_is_never_read(tmp_path):
 
 
 def test_checkpoint_of_another_model_exits_2(tmp_path):
+    """Named by the first flag that differs; for a checkpoint that records no flags (written
+    by an earlier version), by the first parameter whose shape differs."""
     run_uncached("shardmap_dp", checkpoint_dir=str(tmp_path / "ckpt"), steps=1)  # d_model 64, 2 layers
     done = run_script("fsdp", tmp_path, *TINY, "--checkpoint-dir", "ckpt")  # d_model 32, 1 layer
     assert done.returncode == 2 and "Traceback" not in done.stderr
-    error = done.stderr.strip().splitlines()[-1]
-    assert "holds another model: block_0/attn/out/bias is (64,) there but (32,) here" in error, error
+    error = done.stderr.strip().splitlines()
+    assert len(error) == 1 and "--layers 1 differs from 2 in the checkpoint of step 1 in ckpt" in error[0], error
+    metadata = tmp_path / "ckpt" / "1" / "_CHECKPOINT_METADATA"
+    metadata.write_text(json.dumps({**json.loads(metadata.read_text()), "custom_metadata": {}}))
+    done = run_script("fsdp", tmp_path, *TINY, "--checkpoint-dir", "ckpt")
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    error = done.stderr.strip().splitlines()
+    assert len(error) == 1 and "holds another model: block_0/attn/out/bias is (64,) there but (32,) here" in error[0]
 
 
 def test_unwritable_checkpoint_dir_exits_2(tmp_path):
@@ -137,3 +198,139 @@ def test_two_processes_resume(script, tmp_path):
     )
     assert [r["step"] for r in resumed] == list(range(6, 11))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in first[5:]]  # bitwise
+
+
+def test_metrics_file_folder_is_created(tmp_path):
+    done = run_script("fsdp", tmp_path, *TINY, "--metrics-file", "runs/exp1/metrics.jsonl")
+    assert done.returncode == 0, done.stderr[-2000:]
+    records = (tmp_path / "runs" / "exp1" / "metrics.jsonl").read_text().splitlines()
+    assert len(records) == 4 and "summary" in records[-1]
+
+
+def test_a_second_run_on_the_same_folder_exits_2(tmp_path):
+    """A run holds its --checkpoint-dir; a second run on it stops at once, naming the holder.
+    The hold dies with the holder: once it is killed, the folder is free again."""
+    proc = start_training(tmp_path, "--checkpoint-every", "2")
+    try:
+        wait_for(lambda: re.search(r"step +3/", (tmp_path / "out.log").read_text()), [proc])
+        second = run_script("shardmap_dp", tmp_path, *TINY, "--seed", "1", "--checkpoint-dir", "ckpt")
+        assert second.returncode == 2 and second.stdout == ""
+        error = second.stderr.strip().splitlines()
+        assert len(error) == 1 and "--checkpoint-dir ckpt is in use by a run on host" in error[0], error
+        assert f"process id {proc.pid}," in error[0]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    latest = steps_in(tmp_path / "ckpt")[-1]
+    third = run_script("shardmap_dp", tmp_path, *TINY, "--steps", str(latest + 1), "--checkpoint-dir", "ckpt")
+    assert third.returncode == 0, third.stderr[-2000:]
+    assert f"resumed from the checkpoint of step {latest}" in third.stdout
+
+
+def corrupt(folder, how):
+    """Damage the checkpoint in `folder` the way `how` says."""
+    data = [p for p in folder.rglob("*") if p.is_file() and p.parent.name == "d"]
+    if how == "data file deleted":
+        data[0].unlink()
+    elif how == "data file truncated":
+        for p in data:
+            p.write_bytes(p.read_bytes()[:100])
+    elif how == "data file overwritten":
+        for p in data:
+            p.write_bytes(bytes(len(p.read_bytes())))
+    elif how == "garbage metadata":
+        (folder / "state" / "_METADATA").write_text("{garbage")
+    elif how == "empty step folder":
+        shutil.rmtree(folder)
+        folder.mkdir()
+
+
+HOW = ["data file deleted", "data file truncated", "data file overwritten", "garbage metadata", "empty step folder"]
+
+
+@pytest.mark.parametrize("how", HOW)
+def test_an_unreadable_checkpoint_is_set_aside(how, tmp_path, capsys):
+    """The newest checkpoint is unreadable: the run says which and why in one line, moves it
+    aside (nothing is deleted) and resumes from the one before, as if it had stopped there."""
+    first = interrupted("shardmap_dp", tmp_path)  # checkpoints 10 and 20, then 20 forgotten
+    run_uncached("shardmap_dp", checkpoint_dir=str(tmp_path), checkpoint_every=10)  # 20 again
+    corrupt(tmp_path / "20", how)
+    capsys.readouterr()
+    resumed = run_uncached("shardmap_dp", checkpoint_dir=str(tmp_path), checkpoint_every=10)
+    out, err = capsys.readouterr()
+    said = [line for line in out.splitlines() if "the checkpoint of step 20" in line]
+    assert len(said) == 1 and f"moved it to {tmp_path / '20.unreadable'}" in said[0], out
+    print(f"\n{how}: {said[0]}")
+    assert "resumed from the checkpoint of step 10" in out and err == ""
+    assert resumed.losses == first.losses[10:]  # bitwise
+    assert (tmp_path / "20.unreadable").is_dir() and steps_in(tmp_path) == [10, 20]  # 20 saved anew
+
+
+def test_no_readable_checkpoint_exits_2(tmp_path, capsys):
+    run_uncached("shardmap_dp", checkpoint_dir=str(tmp_path), checkpoint_every=10)
+    corrupt(tmp_path / "10", "data file truncated")
+    corrupt(tmp_path / "20", "data file deleted")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run_uncached("shardmap_dp", checkpoint_dir=str(tmp_path), checkpoint_every=10)
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "holds no readable checkpoint (20: a file of it is" in err and "; 10: a file of it is" in err
+
+
+def test_a_folder_of_other_folders_is_not_a_checkpoint_folder(tmp_path):
+    for name in ("1", "2023"):
+        (tmp_path / "ckpt" / name).mkdir(parents=True)
+    done = run_script("fsdp", tmp_path, *TINY, "--checkpoint-dir", "ckpt")
+    assert done.returncode == 2 and done.stdout == ""
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert "--checkpoint-dir ckpt holds folders named 1, 2023 that are not checkpoints" in done.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--heads", "2"], "--heads 2 differs from 4 in the checkpoint of step 3"),
+        (["--d-model", "64"], "--d-model 64 differs from 32 in the checkpoint of step 3"),
+        (["--scan-layers"], "--scan-layers True differs from False in the checkpoint of step 3"),
+    ],
+    ids=["heads", "d-model", "scan-layers"],
+)
+def test_resuming_with_another_model_exits_2(flags, message, tmp_path):
+    """A flag that changes what the saved weights mean cannot change on resume, even when the
+    shapes stay the same (--heads re-reads the attention weights as another head layout)."""
+    assert run_script("shardmap_dp", tmp_path, *TINY, "--checkpoint-dir", "ckpt").returncode == 0
+    done = run_script("shardmap_dp", tmp_path, *TINY, "--checkpoint-dir", "ckpt", "--steps", "5", *flags)
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr, done.stderr
+
+
+def test_resuming_with_another_trajectory_says_so(tmp_path):
+    """Flags of the trajectory may change on resume, with one line naming old -> new; the
+    strategy, the mesh and the device count change freely."""
+    assert run_script("fsdp", tmp_path, *TINY, "--checkpoint-dir", "ckpt").returncode == 0
+    done = run_script("pjit_tp", tmp_path, *TINY, "--checkpoint-dir", "ckpt", "--steps", "5", "--lr", "0.001",
+                      "--mesh", "data=4,model=2")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "resuming with changed flags: --steps 3 -> 5, --lr 0.003 -> 0.001\n" in done.stdout
+    assert "resumed from the checkpoint of step 3" in done.stdout and "step 5/5" in done.stdout
+
+
+def test_a_failed_save_stops_with_one_line(tmp_path):
+    """A save that cannot be written (here: a file size limit, as a full disk would) stops the
+    run with one line naming the step and the folder; the checkpoints before it are intact."""
+    assert run_script("shardmap_dp", tmp_path, *TINY, "--checkpoint-dir", "ckpt", "--steps", "2").returncode == 0
+    # Writes past 20 kB fail (EFBIG: Python ignores SIGXFSZ), as they would on a full disk.
+    command = f"ulimit -f 20 && exec {sys.executable} shardmap_dp.py {' '.join(TINY)} --steps 8 --checkpoint-dir ckpt"
+    done = subprocess.run(
+        ["bash", "-c", command + " --checkpoint-every 2"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 1
+    error = done.stderr.strip().splitlines()
+    assert len(error) == 1, done.stderr[-3000:]
+    print(f"\n{error[0]}")
+    assert "error: could not save the checkpoint of step 4 in ckpt (a file grew larger than" in error[0]
+    assert steps_in(tmp_path / "ckpt") == [2]
+    again = run_script("shardmap_dp", tmp_path, *TINY, "--checkpoint-dir", "ckpt", "--steps", "4")
+    assert again.returncode == 0 and "resumed from the checkpoint of step 2" in again.stdout
+    assert steps_in(tmp_path / "ckpt") == [2, 4]

@@ -48,6 +48,7 @@ BAD_INPUTS = [
     (["--dataset", "no_such_dataset"], ("shardmap_dp",), "--dataset no_such_dataset is neither"),
     (["--metrics-file", "FILE/metrics.jsonl"], SCRIPTS, "--metrics-file FILE/metrics.jsonl cannot be written"),
     (["--metrics-file", "FOLDER"], ("fsdp",), "--metrics-file FOLDER is a folder"),
+    (["--metrics-file", "/proc/no/such/dir/m.jsonl"], ("fsdp",), "--metrics-file /proc/no/such/dir/m.jsonl cannot be"),
     (["--checkpoint-dir", "FILE/ckpt"], ("fsdp",), "--checkpoint-dir FILE/ckpt cannot be written"),
     (["--stepz", "3"], SCRIPTS, "unrecognized arguments: --stepz 3"),
     (["--steps", "three"], ("pmap_dp",), "argument --steps: invalid int value: 'three'"),
@@ -80,6 +81,8 @@ def test_bad_input_exits_2_with_one_line(script, flags, message, tmp_path, capsy
     assert len(err.strip().splitlines()) == 1 and message in err, err
     if "invalid" not in message and "unrecognized" not in message:
         assert "e.g." in err, err
+        suggested = re.search(r"e\.g\. (--[\w-]+)", err).group(1)  # the example is a real flag
+        assert suggested.removeprefix("--").replace("-", "_") in module.Config.__dataclass_fields__, err
     assert len(COMPILATIONS) == compiled_before
 
 
