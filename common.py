@@ -15,10 +15,12 @@ import logging
 import math
 import os
 import re
+import shutil
 import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import typing
@@ -34,7 +36,7 @@ import optax
 from flax.training import train_state
 from jax.experimental import multihost_utils
 
-VOCAB_SIZE = 256  # the synthetic source's tokens; also every byte value, for byte-level text
+BYTES = 256  # the vocabulary of byte-level text
 
 
 # ----------------------------------------------------------------------------------------------
@@ -59,8 +61,10 @@ class Config:
     lr: float = arg(3e-3, "peak learning rate: linear warmup, then cosine decay to a tenth")
     warmup_steps: int = arg(30, "learning-rate warmup steps")
     weight_decay: float = arg(0.1, "AdamW weight decay (kernels and embeddings only)")
+    clip_norm: float = arg(1.0, "scale the gradient down to this global norm when it is larger (0: no clipping)")
     seed: int = arg(0, "seed of the parameters, the dropout masks and the batch sequence")
     dtype: str = arg("float32", "compute dtype; parameters stay float32", choices=("float32", "bfloat16"))
+    vocab_size: int = arg(256, "tokens of the synthetic source, e.g. 50304 as GPT-2's; text is read as bytes: 256")
     microbatches: int = arg(1, "gradient accumulation: sequential micro-batches per step")
     scan_layers: bool = arg(False, "run the blocks with nn.scan: one compiled block, not --layers")
     remat: bool = arg(False, "recompute each block's activations in the backward pass instead of keeping them")
@@ -76,7 +80,12 @@ class Config:
     log_every: int = arg(25, "print and record metrics every this many steps")
     metrics_file: str | None = arg(None, "write JSON Lines metrics here: logged steps, a summary")
     show_sharding: bool = arg(False, "before training, print every parameter's layout and bytes per device")
-    cpu_devices: int = arg(8, "emulated CPU devices (per process), used when no GPU or TPU is present")
+    profile: str | None = arg(None, "write a jax.profiler trace of a few steps after compilation to this folder")
+    cpu_devices: int | None = arg(
+        None,
+        "emulated CPU devices per process, used when no GPU or TPU is present (default 8, or the count in "
+        "XLA_FLAGS' --xla_force_host_platform_device_count)",
+    )
     coordinator_address: str | None = arg(
         None, "several processes: host:port of process 0, e.g. 10.0.0.1:1234 (all processes give the same)"
     )
@@ -135,15 +144,28 @@ def _residual_scale(config):
     return 1 / math.sqrt(2 * config.layers)
 
 
+def sequence_positions(length: int):
+    """The positions of a sequence's tokens: 0 .. length - 1. (context_parallel.py gives each
+    device's piece of a sequence its own.)"""
+    return jnp.arange(length)
+
+
+def causal_attention(q, k, v):
+    """Softmax attention of each position to itself and those before it. q, k, v: [batch,
+    length, heads, head_dim]. (context_parallel.py passes ring attention instead.)"""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
 class Embed(nn.Module):
     config: Config
+    positions: Callable = sequence_positions
 
     @nn.compact
     def __call__(self, tokens, deterministic):
         c = self.config
         embed = functools.partial(nn.Embed, features=c.d_model, dtype=c.dtype)
-        x = embed(VOCAB_SIZE, embedding_init=_init(("vocab", "embed")), name="token")(tokens)
-        positions = jnp.arange(tokens.shape[1])
+        x = embed(c.vocab_size, embedding_init=_init(("vocab", "embed")), name="token")(tokens)
+        positions = self.positions(tokens.shape[1])
         x = x + embed(c.seq_len, embedding_init=_init(("pos", "embed")), name="position")(positions)
         x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
         return nn.Dropout(c.dropout)(x, deterministic=deterministic)
@@ -151,6 +173,7 @@ class Embed(nn.Module):
 
 class Attention(nn.Module):
     config: Config
+    attend: Callable = causal_attention
 
     @nn.compact
     def __call__(self, x, deterministic):
@@ -164,7 +187,7 @@ class Attention(nn.Module):
         qkv = _dense(c, 3 * c.d_model, ("embed", "heads"), "qkv", use_bias=False)(x)
         q, k, v = jnp.split(qkv.reshape(*x.shape[:-1], c.heads, 3, -1), 3, axis=-2)
         q, k, v = (nn.with_logical_constraint(t.squeeze(-2), ("batch", "length", "act_heads", None)) for t in (q, k, v))
-        x = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        x = self.attend(q, k, v)
         x = _dense(c, c.d_model, ("heads", "embed"), "out", _residual_scale(c))(x.reshape(*x.shape[:-2], -1))
         return nn.Dropout(c.dropout)(x, deterministic=deterministic)
 
@@ -183,10 +206,11 @@ class Mlp(nn.Module):
 
 class Block(nn.Module):
     config: Config
+    attend: Callable = causal_attention
 
     @nn.compact
     def __call__(self, x, deterministic):
-        x = x + Attention(self.config, name="attn")(_layer_norm(self.config, "ln1")(x), deterministic)
+        x = x + Attention(self.config, self.attend, name="attn")(_layer_norm(self.config, "ln1")(x), deterministic)
         x = x + Mlp(self.config, name="mlp")(_layer_norm(self.config, "ln2")(x), deterministic)
         x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
         return x, None  # (carry, output): the signature nn.scan iterates
@@ -198,7 +222,7 @@ class Head(nn.Module):
     @nn.compact
     def __call__(self, x, deterministic):  # the signature of every piece, so one wrap fits all
         x = _layer_norm(self.config, "ln_f")(x)
-        logits = _dense(self.config, VOCAB_SIZE, ("embed", "vocab"), "out", use_bias=False)(x)
+        logits = _dense(self.config, self.config.vocab_size, ("embed", "vocab"), "out", use_bias=False)(x)
         # The loss is computed in float32 whatever the compute dtype.
         return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
 
@@ -212,15 +236,19 @@ class GPT(nn.Module):
 
     `wrap` is applied to each piece's class (the embedding, every block, the head) before the
     piece is built; fsdp.py passes one that all-gathers a piece's parameters just before it runs.
+    `attend` and `positions` are the attention and the tokens' positions: context_parallel.py,
+    where each device holds a piece of every sequence, passes its own.
     """
 
     config: Config
     wrap: Callable[[type], type] = unwrapped
+    attend: Callable = causal_attention
+    positions: Callable = sequence_positions
 
     @nn.compact
     def __call__(self, tokens, deterministic: bool = True):
         c = self.config
-        x = self.wrap(Embed)(c, name="embed")(tokens, deterministic)
+        x = self.wrap(Embed)(c, self.positions, name="embed")(tokens, deterministic)
         block = self.wrap(Block)
         if c.remat:  # keep only each block's input; the backward pass runs the block again
             block = nn.remat(block, static_argnums=(2,))
@@ -233,11 +261,23 @@ class GPT(nn.Module):
                 length=c.layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, _ = blocks(c, name="blocks")(x, deterministic)
+            x, _ = blocks(c, self.attend, name="blocks")(x, deterministic)
         else:
             for i in range(c.layers):
-                x, _ = block(c, name=f"block_{i}")(x, deterministic)
+                x, _ = block(c, self.attend, name=f"block_{i}")(x, deterministic)
         return self.wrap(Head)(c, name="head")(x, deterministic)
+
+
+# Cached, one model per config and wrap: the TrainState holds the model's apply method in its
+# tree structure, and a state worked out on shapes (to compile for) must match the real one.
+@functools.cache
+def make_model(
+    config: Config,
+    wrap: Callable[[type], type] = unwrapped,
+    attend: Callable = causal_attention,
+    positions: Callable = sequence_positions,
+) -> GPT:
+    return GPT(config, wrap=wrap, attend=attend, positions=positions)
 
 
 def init_params(config: Config, rng):
@@ -269,7 +309,7 @@ SPLITS = {"train": 0, "eval": 1}  # each split draws from its own random streams
 
 
 class SyntheticData:
-    """A sparse random Markov chain over VOCAB_SIZE tokens, fixed by its own seed.
+    """A sparse random Markov chain over `vocab` tokens, fixed by its own seed.
 
     Each token has `branching` possible successors with random probabilities. The best possible
     loss is the chain's entropy rate, sum_s pi(s) H(next | s), which is printed so a run can be
@@ -277,25 +317,44 @@ class SyntheticData:
     position has exactly that expected loss at best.
     """
 
-    def __init__(self, seed: int, seq_len: int, branching: int = 4, source_seed: int = 1234):
-        self.seed, self.seq_len = seed, seq_len
+    def __init__(self, seed: int, seq_len: int, vocab: int = 256, branching: int = 4, source_seed: int = 1234):
+        self.seed, self.seq_len, self.vocab = seed, seq_len, vocab
         rng = np.random.default_rng(source_seed)
         # Token s can always go to following[s], the next token on one random cycle through all
         # tokens: so every token is reachable from every other, and the chain has one
         # stationary distribution.
-        cycle = rng.permutation(VOCAB_SIZE)
-        following = np.empty(VOCAB_SIZE, np.int64)
+        cycle = rng.permutation(vocab)
+        following = np.empty(vocab, np.int64)
         following[cycle] = np.roll(cycle, -1)
-        self.successors = np.empty((VOCAB_SIZE, branching), np.int64)
-        for s in range(VOCAB_SIZE):
-            others = np.delete(np.arange(VOCAB_SIZE), following[s])
-            self.successors[s] = [following[s], *rng.choice(others, branching - 1, replace=False)]
-        probs = rng.dirichlet(np.ones(branching), size=VOCAB_SIZE)
+        small = vocab <= 2048  # a dense transition matrix fits: the exact construction
+        self.successors = np.empty((vocab, branching), np.int64)
+        if small:
+            for s in range(vocab):
+                others = np.delete(np.arange(vocab), following[s])
+                self.successors[s] = [following[s], *rng.choice(others, branching - 1, replace=False)]
+        else:  # the same distribution, drawn for all tokens at once
+            self.successors[:, 0] = following
+            while True:
+                others = rng.integers(0, vocab - 1, size=(vocab, branching - 1))
+                others += others >= following[:, None]  # skip following[s]
+                if all(len(set(row)) == branching - 1 for row in others):
+                    break
+            self.successors[:, 1:] = others
+        probs = rng.dirichlet(np.ones(branching), size=vocab)
         self.cumulative = np.cumsum(probs, axis=1)
-        transition = np.zeros((VOCAB_SIZE, VOCAB_SIZE))
-        np.put_along_axis(transition, self.successors, probs, axis=1)
-        eigenvalues, eigenvectors = np.linalg.eig(transition.T)
-        pi = np.real(eigenvectors[:, np.argmin(np.abs(eigenvalues - 1))])
+        if small:  # pi: the left eigenvector of the transition matrix with eigenvalue 1
+            transition = np.zeros((vocab, vocab))
+            np.put_along_axis(transition, self.successors, probs, axis=1)
+            eigenvalues, eigenvectors = np.linalg.eig(transition.T)
+            pi = np.real(eigenvectors[:, np.argmin(np.abs(eigenvalues - 1))])
+        else:  # the same by power iteration on the sparse chain (made lazy, so it converges)
+            pi = np.full(vocab, 1 / vocab)
+            for _ in range(100_000):
+                moved = np.zeros(vocab)
+                np.add.at(moved, self.successors, pi[:, None] * probs)
+                pi, change = (pi + moved) / 2, np.abs(moved - pi).sum()
+                if change < 1e-12:
+                    break
         self.stationary = np.cumsum(pi / pi.sum())
         self.loss_floor = float(-(pi / pi.sum()) @ np.sum(probs * np.log(probs), axis=1))
 
@@ -312,7 +371,7 @@ class SyntheticData:
             ]
         )
         tokens = np.empty(uniforms.shape, np.int32)
-        tokens[:, 0] = np.minimum(np.searchsorted(self.stationary, uniforms[:, 0]), VOCAB_SIZE - 1)
+        tokens[:, 0] = np.minimum(np.searchsorted(self.stationary, uniforms[:, 0]), self.vocab - 1)
         for t in range(1, self.seq_len + 1):
             previous = tokens[:, t - 1]
             choice = (uniforms[:, t, None] > self.cumulative[previous]).sum(axis=1)
@@ -372,7 +431,7 @@ class TextData:
 @functools.cache  # one dataset per config: setup() opens it to check it, main() reads it
 def load_dataset(config: Config):
     if config.dataset == "synthetic":
-        return SyntheticData(config.seed, config.seq_len)
+        return SyntheticData(config.seed, config.seq_len, config.vocab_size)
     return TextData(config, _tfds_builder(config))
 
 
@@ -389,8 +448,17 @@ def host_batch(dataset, config: Config, step: int, split: str = "train") -> np.n
 
 
 def eval_batches(dataset, config: Config) -> list:
-    """This process's share of the held-out batches: the same ones at every evaluation."""
+    """This process's share of the held-out batches: the same ones at every evaluation; none
+    when the run never evaluates."""
+    if not config.eval_every:
+        return []
     return [host_batch(dataset, config, i, "eval") for i in range(config.eval_batches)]
+
+
+def batch_shape(config: Config, sharding) -> jax.ShapeDtypeStruct:
+    """The global batch's shape, laid out by `sharding`, without building it: what the train
+    step is compiled for before any data exists."""
+    return jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32, sharding=sharding)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -411,11 +479,33 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_name(path) in ("kernel", "embedding"), params)
 
 
+class ClipState(typing.NamedTuple):
+    norm: jax.Array  # the global norm of the last gradient, before clipping: logged as grad_norm
+
+
+def clip_by_global_norm(max_norm: float, global_norm: Callable) -> optax.GradientTransformation:
+    """optax.clip_by_global_norm, with the norm taken by `global_norm` and kept in the state.
+
+    The norm is over the whole model. Where a script holds only pieces of the gradient on each
+    device (fsdp.py's shards), it passes a `global_norm` that adds up the pieces' sums of squares
+    across the devices; max_norm 0 only measures."""
+
+    def update(updates, state, params=None):
+        norm = global_norm(updates)
+        if max_norm:
+            clipped = jax.tree.map(lambda g: (g / norm * max_norm).astype(g.dtype), updates)
+            updates = jax.tree.map(lambda g, c: jnp.where(norm < max_norm, g, c), updates, clipped)
+        return updates, ClipState(norm)
+
+    return optax.GradientTransformation(lambda params: ClipState(jnp.zeros((), jnp.float32)), update)
+
+
 # Cached, one optimizer per config: the optimizer is part of the TrainState's tree structure,
 # and shardings worked out on an abstract state must fit the real state.
 @functools.cache
-def make_optimizer(config: Config):
-    # AdamW is elementwise, which is what lets fsdp.py update each device's shard on its own.
+def make_optimizer(config: Config, global_norm: Callable = optax.tree.norm):
+    # AdamW is elementwise, which is what lets fsdp.py update each device's shard on its own;
+    # clipping by the global norm is not, which is why `global_norm` is the script's to give.
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=config.lr,
@@ -423,26 +513,49 @@ def make_optimizer(config: Config):
         decay_steps=max(config.steps, config.warmup_steps + 1),
         end_value=config.lr / 10,
     )
-    return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=config.weight_decay, mask=decay_mask)
+    return optax.chain(
+        clip_by_global_norm(config.clip_norm, global_norm),
+        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=config.weight_decay, mask=decay_mask),
+    )
 
 
-def create_state(config: Config, model: GPT, params_fn: Callable = nn.unbox) -> TrainState:
+def create_state(
+    config: Config, model: GPT, params_fn: Callable = nn.unbox, global_norm: Callable = optax.tree.norm
+) -> TrainState:
     """The initial TrainState. `params_fn` maps the logically boxed parameters to what the
-    optimizer and the model will hold: plain arrays by default; fsdp.py boxes them anew."""
+    optimizer and the model will hold: plain arrays by default; fsdp.py boxes them anew.
+    `global_norm` takes the norm that clipping uses (see clip_by_global_norm)."""
     init_rng, dropout_rng = jax.random.split(jax.random.key(config.seed))
     return TrainState.create(
         apply_fn=model.apply,
         params=params_fn(init_params(config, init_rng)),
-        tx=make_optimizer(config),
+        tx=make_optimizer(config, global_norm),
         rng=dropout_rng,
     )
 
 
+def gradient_norm(state: TrainState) -> jax.Array:
+    """The global norm of the gradient of the last update, before clipping."""
+    return state.opt_state[0].norm
+
+
+def cross_entropy(logits, labels):
+    """-log softmax(logits)[label] at every position. The label's logit is picked by a product
+    with a one-hot vector, not by indexing: where the vocabulary is split over devices
+    (pjit_tp.py), each device then reduces its own part of the logits, and only per-position
+    partial sums cross devices, never the logits."""
+    label_logits = jnp.sum(logits * jax.nn.one_hot(labels, logits.shape[-1], dtype=logits.dtype), axis=-1)
+    return jax.nn.logsumexp(logits, axis=-1) - label_logits
+
+
 def token_losses(params, apply_fn, tokens, rng=None):
-    """Next-token cross-entropy at every position; dropout only when given a key."""
+    """Next-token cross-entropy at every position; dropout only when given a key. `tokens` is
+    [rows, length + 1], or the inputs and labels already paired, [rows, 2, length]
+    (context_parallel.py, which reorders the positions of every sequence)."""
+    inputs, labels = (tokens[:, 0], tokens[:, 1]) if tokens.ndim == 3 else (tokens[:, :-1], tokens[:, 1:])
     rngs = None if rng is None else {"dropout": rng}
-    logits = apply_fn({"params": params}, tokens[:, :-1], deterministic=rng is None, rngs=rngs)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    logits = apply_fn({"params": params}, inputs, deterministic=rng is None, rngs=rngs)
+    return cross_entropy(logits, labels)
 
 
 def summed(losses):
@@ -476,7 +589,7 @@ def accumulate_gradients(state: TrainState, batch, rng, microbatches: int):
 
     if microbatches == 1:
         return piece_grads(batch, 0)
-    pieces = batch.reshape(-1, microbatches, batch.shape[-1]).swapaxes(0, 1)
+    pieces = batch.reshape(-1, microbatches, *batch.shape[1:]).swapaxes(0, 1)
 
     def add_piece(total, piece_and_index):
         return jax.tree.map(jnp.add, total, piece_grads(*piece_and_index)), None
@@ -519,9 +632,15 @@ def check_flags(config: Config):
     )  # fmt: skip
     for name in positive:
         require(getattr(config, name) > 0, name, f"must be positive, {example(name)}")
-    for name in ("warmup_steps", "seed", "eval_every", "weight_decay"):
+    for name in ("warmup_steps", "seed", "eval_every", "weight_decay", "clip_norm"):
         require(getattr(config, name) >= 0, name, f"must be zero or more, {example(name)}")
     require(0 <= config.dropout < 1, "dropout", f"must be in [0, 1), {example('dropout')}")
+    require(config.vocab_size >= 8, "vocab_size", f"must be 8 or more, {example('vocab_size')}")
+    require(
+        config.dataset == "synthetic" or config.vocab_size == BYTES,
+        "vocab_size",
+        f"must be {BYTES} for text, which is read as bytes, e.g. --vocab-size {BYTES}",
+    )
     require(config.dtype in ("float32", "bfloat16"), "dtype", "must be float32 or bfloat16, e.g. --dtype bfloat16")
     require(
         config.d_model % config.heads == 0,
@@ -547,24 +666,40 @@ def check_flags(config: Config):
     )
 
 
-def mesh_shape(text: str, heads: int) -> dict:
-    """--mesh 'data=2,model=4' -> {'data': 2, 'model': 4}. 'auto' puts up to 4 devices (at most
-    half of them, and a divisor of --heads) on 'model' and the rest on 'data'."""
+def mesh_shape(text: str, axes: tuple, auto: dict, optional: tuple = ()) -> dict:
+    """--mesh 'data=2,model=4' -> {'data': 2, 'model': 4}, in the order of `axes` (the mesh's,
+    outer first). 'auto' gives `auto`; an axis in `optional` may be left out, as size 1."""
     n = jax.device_count()
+    auto = {axis: auto.get(axis, 1) for axis in axes}
+    example = "e.g. --mesh " + ",".join(
+        f"{axis}={size}" for axis, size in auto.items() if axis not in optional or size > 1
+    )
     if text == "auto":
-        model = max(m for m in (1, 2, 4) if n % m == 0 and heads % m == 0 and m <= max(1, n // 2))
-        return {"data": n // model, "model": model}
-    example = f"e.g. --mesh data={max(1, n // 2)},model={min(2, n)}"
+        return auto
     try:
         shape = {name: int(size) for name, size in (item.split("=") for item in text.split(","))}
     except ValueError:
         raise ConfigError(f"--mesh {text} is not axis=size pairs, {example}") from None
-    require(sorted(shape) == ["data", "model"], "mesh", f"{text} must name the axes data and model, {example}")
+    required = [axis for axis in axes if axis not in optional]
+    may = f" (and may name {' and '.join(optional)})" if optional else ""
+    require(
+        set(required) <= set(shape) <= set(axes),
+        "mesh",
+        f"{text} must name the axes {' and '.join(required)}{may}, {example}",
+    )
     require(min(shape.values()) > 0, "mesh", f"{text} has an axis of size < 1, {example}")
     require(
         math.prod(shape.values()) == n, "mesh", f"{text} has {math.prod(shape.values())} devices, not {n}; {example}"
     )
-    return shape
+    return {axis: shape.get(axis, 1) for axis in axes}
+
+
+def tensor_parallel_auto(heads: int) -> dict:
+    """The 'auto' mesh of tensor parallelism: up to 4 devices on 'model' (at most half of them,
+    and a divisor of --heads), the rest on 'data'."""
+    n = jax.device_count()
+    model = max(m for m in (1, 2, 4) if n % m == 0 and heads % m == 0 and m <= max(1, n // 2))
+    return {"data": n // model, "model": model}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -601,11 +736,25 @@ def parse_config(config_class=Config, doc: str | None = None, argv: list | None 
 
 def setup(config: Config):
     """Start JAX on the right devices, then check the flags: bad input exits 2 with one line,
-    before anything is compiled. main() calls it first, before touching any device."""
+    before anything is compiled. main() calls it first, before touching any device. With
+    several processes, every process checks its flags and compares them with the others', and
+    all of them stop if one of them cannot go on."""
     try:
-        _start_and_check(config)
+        _start_devices(config)
     except ConfigError as error:
         exit_bad_input(str(error))
+    problem = None
+    try:
+        config.validate()
+        prepare_output_folders(config)
+        load_dataset(config)  # a dataset that cannot be read is bad input too
+        check_checkpoint(config)  # and so is a checkpoint folder in use, unreadable or of another model
+    except ConfigError as error:
+        problem = str(error)
+    if jax.process_count() > 1:
+        problem = _compare_with_other_processes(config, problem)
+    if problem:
+        exit_bad_input(problem)
 
 
 def exit_bad_input(message: str):
@@ -614,30 +763,64 @@ def exit_bad_input(message: str):
     raise SystemExit(2)
 
 
-def _start_and_check(config: Config):
-    require(config.cpu_devices > 0, "cpu_devices", "must be positive, e.g. --cpu-devices 8")
+# XLA's CPU collectives abort the process (SIGABRT, "Termination timeout ... exceeded") when an
+# emulated device's thread reaches a collective this many seconds after the others: 40 by
+# default. On a busy or sleeping laptop one thread can be that late while the run is healthy,
+# so the scripts allow a day, and a warning after 10 minutes. Only the CPU backend reads these;
+# a value already in XLA_FLAGS is kept.
+CPU_COLLECTIVE_TIMEOUTS = {
+    "xla_cpu_collective_call_terminate_timeout_seconds": 24 * 3600,
+    "xla_cpu_collective_call_warn_stuck_timeout_seconds": 600,
+}
+
+
+def _start_devices(config: Config):
+    """Set up the CPU backend's devices, join the other processes, and start the backend."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    for name, seconds in CPU_COLLECTIVE_TIMEOUTS.items():
+        if f"--{name}=" not in flags:
+            flags = f"{flags} --{name}={seconds}".strip()
+    os.environ["XLA_FLAGS"] = flags  # read when JAX starts its first backend
+    forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", flags)
+    count = config.cpu_devices if config.cpu_devices is not None else int(forced.group(1)) if forced else 8
+    require(count > 0, "cpu_devices", "must be positive, e.g. --cpu-devices 8")
+    if forced and config.cpu_devices is not None and int(forced.group(1)) != count:
+        print(
+            f"--cpu-devices {count} overrides XLA_FLAGS' --xla_force_host_platform_device_count={forced.group(1)}",
+            file=sys.stderr,
+        )
     try:
         # Only affects the CPU backend, so it is harmless on GPU/TPU hosts, whose real devices
         # are used unchanged. It must run before JAX starts a backend.
-        jax.config.update("jax_num_cpu_devices", config.cpu_devices)
+        jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError:  # JAX already started in this process (tests call main() repeatedly)
-        if jax.default_backend() == "cpu" and jax.local_device_count() != config.cpu_devices:
+        if jax.default_backend() == "cpu" and jax.local_device_count() != count:
             raise ConfigError(
-                f"--cpu-devices {config.cpu_devices}: this process already started JAX with "
-                f"{jax.local_device_count()} CPU devices"
+                f"--cpu-devices {count}: this process already started JAX with {jax.local_device_count()} CPU devices"
             ) from None
     jax.config.update("jax_debug_nans", config.debug_nans)
     if (config.coordinator_address or config.distributed) and not jax.distributed.is_initialized():
         _start_distributed(config)
-    config.validate()
-    prepare_output_folders(config)
-    load_dataset(config)  # a dataset that cannot be read is bad input too
-    check_checkpoint(config)  # and so is a checkpoint folder in use, unreadable or of another model
+    try:
+        jax.devices()
+    except Exception as error:  # e.g. JAX_PLATFORMS=cuda with no CUDA plugin installed
+        platforms = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "the default"
+        plugins = {"cuda": "jax[cuda13]", "gpu": "jax[cuda13]", "tpu": "jax[tpu]", "rocm": "jax[rocm]"}
+        wanted = [plugins[p] for p in platforms.split(",") if p in plugins]
+        install = f'pip install "{wanted[0]}=={jax.__version__}"' if wanted else "the JAX plugin for your accelerator"
+        reason = " ".join(str(error).split()).split(" (set JAX_PLATFORMS")[0] or f"no {platforms} plugin was found"
+        raise SystemExit(
+            f"error: JAX cannot start the {platforms} backend ({reason}); install it with {install} "
+            "(README: Running on CPU, GPU and TPU), or unset JAX_PLATFORMS to use the devices present"
+        ) from None
 
 
 def prepare_output_folders(config: Config):
     """Create the folders of --metrics-file and --checkpoint-dir, and check that they take files."""
-    outputs = [("checkpoint_dir", config.checkpoint_dir, config.checkpoint_dir, "runs/ckpt")]
+    outputs = [
+        ("checkpoint_dir", config.checkpoint_dir, config.checkpoint_dir, "runs/ckpt"),
+        ("profile", config.profile, config.profile, "runs/profile"),
+    ]
     if is_main_process():  # only process 0 writes the metrics
         folder = os.path.dirname(config.metrics_file or "") or "."
         outputs.append(("metrics_file", config.metrics_file, folder, "runs/metrics.jsonl"))
@@ -682,17 +865,71 @@ def _start_distributed(config: Config):
     require(config.heartbeat_timeout > 0, "heartbeat_timeout", "must be positive, e.g. --heartbeat-timeout 60")
     # CPU processes exchange collectives through gloo (TCP); GPUs and TPUs use their own links.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX waits for every process to join, then aborts with a C++ stack trace if one is missing;
+    # this watchdog says it in one line first. The wait releases Python's lock, so it can.
+    joined = threading.Event()
+
+    def watchdog():
+        if not joined.wait(config.heartbeat_timeout):
+            who = "process 1" if config.num_processes == 2 else "not every process"
+            print(
+                f"error: {who} did not join within {config.heartbeat_timeout}s: start every process with "
+                f"--coordinator-address {config.coordinator_address} --num-processes {config.num_processes} "
+                "and its own --process-id (see its output if it was started)",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(1)
+
+    threading.Thread(target=watchdog, daemon=True).start()
     jax.distributed.initialize(
         address,
         processes,
         process_id,
-        initialization_timeout=config.heartbeat_timeout,
+        initialization_timeout=config.heartbeat_timeout + 30,  # the watchdog's comes first
         # If a process dies, the runtime stops the others once its heartbeats are missing for
         # this long (or at once if it was process 0); a process that exits on an error waits
         # at most this long for the others at shutdown. Either way, no process hangs.
         heartbeat_timeout_seconds=config.heartbeat_timeout,
         shutdown_timeout_seconds=config.heartbeat_timeout,
     )
+    joined.set()
+
+
+def _compare_with_other_processes(config: Config, problem: str | None) -> str | None:
+    """Every process publishes its flags (all but --process-id), or the problem it found with
+    them, and reads the others'. Returns what stops this process: its own problem, another
+    process's, or the first flag that differs. Every process reaches the same verdict, so all
+    of them stop together, cleanly, before anything is compiled."""
+    from jax._src import distributed  # the runtime's key-value store; public JAX has no wrapper
+
+    client, me = distributed.global_state.client, jax.process_index()
+    flags = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "process_id"}
+    client.key_value_set(f"jax-parallelism/flags/{me}", json.dumps({"problem": problem, "flags": flags}))
+    for other in range(jax.process_count()):
+        if other == me:
+            continue
+        try:
+            theirs = json.loads(
+                client.blocking_key_value_get(f"jax-parallelism/flags/{other}", config.heartbeat_timeout * 1000)
+            )
+        except Exception:
+            return (
+                problem
+                or f"process {other} did not report its flags within {config.heartbeat_timeout}s: see its output"
+            )
+        if problem:
+            continue  # this process stops for its own reason; the others learn it from its report
+        if theirs["problem"]:
+            return f"process {other} stopped: {theirs['problem']}"
+        for name, value in flags.items():
+            if theirs["flags"].get(name) != value:
+                flag = "--" + name.replace("_", "-")
+                return (
+                    f"{flag} differs between processes: {value} on process {me}, {theirs['flags'].get(name)} on "
+                    f"process {other}; start every process with the same flags but --process-id"
+                )
+    return problem
 
 
 def _wait_for_coordinator(host: str, port: int, timeout: float):
@@ -721,10 +958,18 @@ def is_main_process() -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
+class _DropTfdsWarnings(logging.Filter):
+    def filter(self, record):  # e.g. "Variant folder ... has no dataset_info.json" for a dataset not prepared
+        return "/tensorflow_datasets/" not in record.pathname or record.levelno >= logging.ERROR
+
+
 def _tfds_builder(config: Config):
     """The TFDS builder of --dataset, prepared (downloaded and converted) on first use."""
     import tensorflow_datasets as tfds
-    from tensorflow_datasets.core.download import downloader as tfds_downloader
+
+    absl_logger = logging.getLogger("absl")
+    if not any(isinstance(f, _DropTfdsWarnings) for f in absl_logger.filters):  # the checks below say it better
+        absl_logger.addFilter(_DropTfdsWarnings())
 
     try:
         builder = tfds.builder(config.dataset, data_dir=config.data_dir, file_format="array_record")
@@ -735,26 +980,7 @@ def _tfds_builder(config: Config):
             "e.g. --dataset tiny_shakespeare"
         ) from None
     if not builder.is_prepared():
-        how = (
-            "prepare it where the internet is reachable (run this command there once, with the same "
-            "--data-dir) or pass the downloaded files with --tfds-manual-dir (for tiny_shakespeare: "
-            "a folder holding input.txt)"
-        )
-        if is_main_process():
-            print(f"preparing TFDS {config.dataset} in {builder.data_dir} (first use only)", flush=True)
-        # TFDS retries a failed download 10 times with growing pauses: 3.5 minutes before an
-        # offline machine hears it has no internet. Three tries still ride out a hiccup.
-        tfds_downloader.MAX_RETRIES = 3
-        try:
-            _hide_gpus_from_tensorflow()
-            builder.download_and_prepare(
-                download_config=tfds.download.DownloadConfig(manual_dir=config.tfds_manual_dir)
-            )
-        except Exception as error:  # no network, no TensorFlow, a bad manual file, ...
-            reason = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
-            raise ConfigError(
-                f"--dataset {config.dataset} is not prepared and preparing it failed ({reason}); {how}"
-            ) from None
+        _prepare(config, builder)
     if builder.info.file_format.value != "array_record":
         raise ConfigError(
             f"--dataset {config.dataset} is prepared as {builder.info.file_format.value} in {builder.data_dir}; "
@@ -774,12 +1000,70 @@ def _tfds_builder(config: Config):
     return builder
 
 
+def _prepare(config: Config, builder):
+    """Download and convert a TFDS dataset, from --tfds-manual-dir when given. A failure is one
+    line saying what to do, and leaves no partial download behind."""
+    import tensorflow_datasets as tfds
+    from tensorflow_datasets.core.download import downloader as tfds_downloader
+
+    how = (
+        "prepare it where the internet is reachable (run this command there once, with the same "
+        "--data-dir) or pass the downloaded files with --tfds-manual-dir"
+    )
+    wanted = {info.filename or url.rsplit("/", 1)[-1]: url for url, info in (builder.url_infos or {}).items()}
+    if config.tfds_manual_dir:
+        missing = [name for name in wanted if not os.path.exists(os.path.join(config.tfds_manual_dir, name))]
+        require(
+            not missing or len(missing) < len(wanted),
+            "tfds_manual_dir",
+            f"{config.tfds_manual_dir} holds no {', '.join(missing)}: {config.dataset} is prepared from "
+            f"{', '.join(wanted[name] for name in missing)}; download it into that folder",
+        )
+    try:  # TFDS's catalogue builders read and write through TensorFlow; reading later does not
+        import tensorflow  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            f"--dataset {config.dataset} is not prepared, and preparing it needs TensorFlow: pip install "
+            f'"{TENSORFLOW}" (only for this; training reads the prepared files without it), or prepare it elsewhere '
+            "and pass its --data-dir"
+        ) from None
+    if is_main_process():
+        print(f"preparing TFDS {config.dataset} in {builder.data_dir} (first use only)", flush=True)
+    # TFDS retries a failed download 10 times with growing pauses: 3.5 minutes before an
+    # offline machine hears it has no internet. Three tries still ride out a hiccup.
+    tfds_downloader.MAX_RETRIES = 3
+    data_dir = os.path.dirname(os.path.dirname(builder.data_dir))  # DATA_DIR/NAME/VERSION
+    before = {path for path in _tree(data_dir)}
+    try:
+        _hide_gpus_from_tensorflow()
+        builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=config.tfds_manual_dir))
+    except Exception as error:  # no network, no TensorFlow, a bad manual file, ...
+        # What the failed attempt left: partial files, then the folders it made that are empty.
+        for path in sorted(set(_tree(data_dir)) - before, reverse=True):
+            if ".tmp." in os.path.basename(path) or "incomplete" in os.path.basename(path):
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+            elif os.path.isdir(path) and not os.listdir(path):
+                os.rmdir(path)
+        reason = " ".join(str(error).split()) or type(error).__name__
+        if isinstance(error, tfds.core.download.download_manager.NonMatchingChecksumError):
+            reason = f"a downloaded file is not the one {config.dataset} expects: its checksum differs"
+        raise ConfigError(
+            f"--dataset {config.dataset} is not prepared and preparing it failed ({reason}); {how}"
+        ) from None
+
+
+def _tree(folder: str) -> list:
+    """Every file and folder below `folder`."""
+    return [os.path.join(root, name) for root, dirs, files in os.walk(folder) for name in dirs + files]
+
+
+TENSORFLOW = "tensorflow-cpu==2.21.0"  # tested with the other pins; not in requirements.txt
+
+
 def _hide_gpus_from_tensorflow():
     # Preparing some catalogue datasets imports TensorFlow, which must leave the GPUs to JAX.
-    try:
-        import tensorflow as tf
-    except ImportError:
-        raise RuntimeError("preparing it needs TensorFlow: pip install tensorflow-cpu") from None
+    import tensorflow as tf
+
     tf.config.set_visible_devices([], "GPU")
 
 
@@ -792,10 +1076,10 @@ def _hide_gpus_from_tensorflow():
 # cannot change on resume; flags that change the rest of the trajectory can, and the run says
 # so. Every other flag (the strategy, its mesh, the devices and processes, logging, how often
 # to save) may change freely: a checkpoint holds global arrays, whatever wrote them.
-SHAPE_FLAGS = ("layers", "d_model", "heads", "seq_len", "scan_layers")
+SHAPE_FLAGS = ("layers", "d_model", "heads", "seq_len", "vocab_size", "scan_layers")
 TRAJECTORY_FLAGS = (
-    "steps", "batch_size", "lr", "warmup_steps", "weight_decay", "seed", "dropout", "dtype", "microbatches",
-    "dataset", "text_key",
+    "steps", "batch_size", "lr", "warmup_steps", "weight_decay", "clip_norm", "seed", "dropout", "dtype",
+    "microbatches", "dataset", "text_key",
 )  # fmt: skip
 
 
@@ -1322,15 +1606,54 @@ def report_lines(summary: dict) -> str:
 
 
 def compile_step(step_fn, *args):
-    """Compile ahead of time, so the compile time is measured apart from the steps and the
-    compiled step can be inspected (its HLO shows the collectives the strategy produced).
-    The loop then runs this compiled step, so the report describes the program that ran."""
+    """Compile ahead of time, for the shapes and shardings of the arguments (arrays or
+    jax.ShapeDtypeStructs), so the compile time is measured apart from the steps, the step is
+    checked to fit in memory before anything is allocated (check_memory), and the compiled
+    step can be inspected (its HLO shows the collectives the strategy produced). The loop then
+    runs this compiled step, so the report describes the program that ran."""
     start = time.perf_counter()
     compiled = step_fn.lower(*args).compile()
     seconds = time.perf_counter() - start
+    check_memory(compiled)
     if jax.config.jax_debug_nans:  # JAX checks for NaNs only in calls through jit
         return _StepThroughJit(step_fn, compiled), seconds
     return compiled, seconds
+
+
+def device_memory() -> int | None:
+    """Bytes one device can hold: the accelerator's own limit, or on CPU, where the emulated
+    devices share the host's memory, this host's available memory over its devices."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return stats["bytes_limit"]
+    try:
+        with open("/proc/meminfo") as meminfo:
+            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+    return available // jax.local_device_count()
+
+
+def check_memory(compiled):
+    """Stop with one line (exit 2) if the compiled step needs more memory per device than a
+    device has: before the first step, rather than an out-of-memory error during it."""
+    memory, have = compiled.memory_analysis(), device_memory()
+    if memory is None or have is None:
+        return
+    state = memory.argument_size_in_bytes + memory.output_size_in_bytes - memory.alias_size_in_bytes
+    need = state + memory.temp_size_in_bytes
+    if need > have:
+        exit_bad_input(
+            f"the train step needs {_gigabytes(need)} per device (arguments and results {_gigabytes(state)}, "
+            f"activations and other temporaries {_gigabytes(memory.temp_size_in_bytes)}) but a "
+            f"{jax.local_devices()[0].platform} device has {_gigabytes(have)}; activations shrink with a smaller "
+            "--batch-size or --seq-len, with --microbatches and --remat; the state with a smaller --d-model or "
+            "--layers, or by sharding it over more devices (fsdp.py, logical_pjit.py --rules fsdp)"
+        )
+
+
+def _gigabytes(n: int) -> str:
+    return f"{n / 1e9:,.1f} GB" if n >= 1e8 else f"{n / 1e6:,.1f} MB"
 
 
 class _StepThroughJit:
@@ -1365,7 +1688,7 @@ class StepLosses:
     line or a checkpoint needs them, so the host never waits on a step."""
 
     def __init__(self):
-        self.values, self.pending = [], []
+        self.values, self.grad_norms, self.pending = [], [], []
 
     def add(self, step: int, metrics):
         self.pending.append((step, metrics))
@@ -1376,6 +1699,7 @@ class StepLosses:
             loss = host_value(metrics["loss_sum"]) / host_value(metrics["tokens"])
             stop_if_not_finite(loss, step, self.values)
             self.values.append(loss)
+            self.grad_norms.append(host_value(metrics["grad_norm"]))
         self.pending = []
         return self.values
 
@@ -1409,6 +1733,7 @@ def open_metrics_file(path: str, start: int):
 @dataclasses.dataclass
 class Result:
     losses: list  # the mean training loss of every step
+    grad_norms: list  # the global gradient norm of every step, before clipping
     state: Any  # the final TrainState, laid out as the strategy keeps it
     summary: dict  # what the last line of --metrics-file holds
     compiled: Any  # the compiled train step
@@ -1443,13 +1768,32 @@ class Logger:
         )
         if config.show_sharding and is_main_process():
             show_sharding(params)
+        self.profiling = None  # the steps a --profile trace covers, once it has started
         self.last_time = time.perf_counter()
 
     def print(self, text):
         if is_main_process():
             print(text, flush=True)
 
+    PROFILED_STEPS = 3
+
+    def profile(self, step: int, metrics):
+        """--profile: trace the PROFILED_STEPS steps after the first one run here (which can
+        include one-off work), for TensorBoard or Perfetto (README: Profiling)."""
+        if not self.config.profile:
+            return
+        if self.profiling is None and step > self.start:
+            jax.block_until_ready(metrics)
+            jax.profiler.start_trace(self.config.profile)
+            self.profiling = range(step, step + self.PROFILED_STEPS)
+        if self.profiling and step == self.profiling[-1]:
+            jax.block_until_ready(metrics)  # the traced steps have run
+            jax.profiler.stop_trace()
+            self.print(f"profile of steps {self.profiling[0] + 1}-{step + 1} written to {self.config.profile}")
+            self.profiling = range(0)
+
     def log(self, step: int, metrics):
+        self.profile(step, metrics)
         self.losses.add(step, metrics)
         if (step + 1) % self.config.log_every and step + 1 != self.config.steps:
             return
@@ -1462,13 +1806,14 @@ class Logger:
         record = {
             "step": step + 1,
             "loss": loss,
+            "grad_norm": self.losses.grad_norms[-1],
             "tokens_per_sec": self.tokens_per_step / seconds,
             "step_seconds": seconds,
         }
         eta = seconds * (self.config.steps - step - 1)
         self.print(
             f"step {step + 1:>{len(str(self.config.steps))}}/{self.config.steps} | "
-            f"loss {loss:.4f} | {record['tokens_per_sec']:,.0f} tokens/s | "
+            f"loss {loss:.4f} | grad norm {record['grad_norm']:.3f} | {record['tokens_per_sec']:,.0f} tokens/s | "
             f"ETA {eta // 60:.0f}:{eta % 60:02.0f}"
         )
         self.write(record)
@@ -1495,6 +1840,8 @@ class Logger:
 
     def finish(self) -> dict:
         """Print and write the end-of-run report; return it (the summary)."""
+        if self.profiling:  # the run ended inside the traced steps
+            jax.profiler.stop_trace()
         losses = self.losses.fetch()
         steps = len(losses)
         # The first interval can include one-off warm-up work; use the median step time.

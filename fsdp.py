@@ -1,26 +1,31 @@
 """Fully sharded data parallelism (ZeRO-3), written by hand in jax.shard_map.
 
-What is where: the global batch is split by rows over the mesh axis 'data' (P('data')),
-each device taking an equal share. Every parameter is split into N equal pieces along one of
-its axes over 'data' (boxed as nn.Partitioned, whose names say which axis), and so are its
-Adam moments, so each device stores 1/N of the state; a parameter with no axis that N
-divides, or smaller than --min-shard-size, stays replicated.
+What is where: the global batch is split by rows over every device (the mesh axis 'data',
+and 'replica' under HSDP), each device taking an equal share. Every parameter is split into N equal pieces
+along one of its axes over 'data' (boxed as nn.Partitioned, whose names say which axis), and
+so are its Adam moments, so each device stores 1/N of the state; a parameter with no axis that
+N divides, or smaller than --min-shard-size, stays replicated. With --mesh replica=R,data=N
+(hybrid sharding, HSDP) each group of N devices holds one whole copy, split N ways, and the R
+groups are replicas (the mesh axis 'replica').
 A step: each piece of the model (the embedding, every block, the head) all-gathers its full
 parameters just before it runs, and again in the backward pass rather than keeping them
 alive in between. Autodiff turns each all-gather into its transpose, a reduce-scatter, which
-leaves each device the summed gradient of its own shard (divided by N for the mean). Adam is
-elementwise, so each device updates only its shard.
+leaves each device the summed gradient of its own shard (divided by N for the mean), then
+all-reduced across the replicas. Adam is elementwise, so each device updates only its shard.
 Collectives per step: all-gathers of the parameters (forward and backward) and
-reduce-scatters of their gradients, an all-reduce of any replicated ones, and a tiny one of
-the metrics.
+reduce-scatters of their gradients over 'data', all-reduces of the shards' gradients across
+'replica', an all-reduce of any replicated ones, and tiny ones of the gradient norm and of the
+metrics.
 
 What changes from shardmap_dp.py: the state is sharded instead of replicated, so each piece
-of the model gathers its parameters as it runs (the model's `wrap`), and the mean of a
-sharded gradient is its reduce-scattered sum over N instead of an all-reduce.
+of the model gathers its parameters as it runs (the model's `wrap`), the mean of a sharded
+gradient is its reduce-scattered sum over N instead of an all-reduce, and the gradient norm
+that clipping needs adds up every device's partial sum (global_norm).
 
 Run:
   python fsdp.py                         # a laptop: 8 emulated CPU devices
   python fsdp.py --steps 2000            # a GPU or TPU host: all of its devices
+  python fsdp.py --mesh replica=2,data=4 # HSDP: shard within groups of 4, replicate across 2
   python fsdp.py --distributed           # every host of a TPU pod slice (README)
 
 Read before: shardmap_dp.py. Read next: pjit_tp.py, where the compiler writes the collectives.
@@ -35,6 +40,7 @@ from jax import lax
 import common
 
 import flax.linen as nn
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -42,9 +48,16 @@ from jax.sharding import PartitionSpec as P
 
 @dataclasses.dataclass(frozen=True)
 class Config(common.Config):
+    mesh: str = common.arg(
+        "auto", "data=N shards over all N devices (FSDP); replica=R,data=M shards within groups of M devices and "
+        "replicates across the R groups (HSDP); 'auto' is data=N"
+    )  # fmt: skip
     min_shard_size: int = common.arg(
         0, "replicate parameters smaller than this (e.g. 65536 spares tiny all-gathers); 0 shards all"
     )
+
+    def mesh_axes(self):
+        return common.mesh_shape(self.mesh, ("replica", "data"), {"data": jax.device_count()}, optional=("replica",))
 
     def validate(self):
         super().validate()
@@ -52,11 +65,19 @@ class Config(common.Config):
 
 
 def make_mesh(config):
+    # ('data',) for FSDP; ('replica', 'data') for HSDP, each group of 'data' devices one replica.
+    shape = {axis: size for axis, size in config.mesh_axes().items() if axis == "data" or size > 1}
     # Auto axes: the compiler may place whatever the specs below leave unsaid.
-    return jax.make_mesh((jax.device_count(),), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
 
 
-BATCH_SPEC = P("data")  # rows split over 'data'
+def batch_spec(mesh):
+    return P(mesh.axis_names)  # rows split over every device
+
+
+def every_device():
+    """Inside the step: the mesh axes that together span every device."""
+    return jax.sharding.get_abstract_mesh().axis_names
 
 
 def is_sharded(x):
@@ -74,7 +95,7 @@ def shard_params(params, config):
         x, names = box.value, [name if name == "layers" else None for name in box.names]
         if x.size >= config.min_shard_size:
             for axis in np.argsort(x.shape)[::-1]:  # the largest axis that splits evenly
-                if names[axis] is None and x.shape[axis] % jax.device_count() == 0:
+                if names[axis] is None and x.shape[axis] % config.mesh_axes()["data"] == 0:
                     names[axis] = "data"
                     return nn.Partitioned(x, names=tuple(names))
         return x
@@ -83,7 +104,7 @@ def shard_params(params, config):
 
 
 def mesh_specs(tree):
-    def spec(x):  # only 'data' is a mesh axis; 'layers' and unnamed axes are not split
+    def spec(x):  # split over 'data', whole across 'replica'; 'layers' and unnamed axes are not split
         return P(*(name if name == "data" else None for name in x.names)) if is_sharded(x) else P()
 
     return jax.tree.map(spec, tree, is_leaf=is_sharded)
@@ -115,11 +136,23 @@ def gather_before_use(piece):
 
 def average(grad):
     """The mean over devices of one gradient. A shard's gradient comes out of autodiff already
-    reduce-scattered, since that is the transpose of its all-gather, but summed: divide by N.
-    A replicated parameter's gradient needs the all-reduce of data parallelism."""
+    reduce-scattered over 'data', since that is the transpose of its all-gather, but summed:
+    divide by N; then (HSDP) all-reduce it across the replicas, which hold the same shard. A
+    replicated parameter's gradient needs the all-reduce of data parallelism, over every device."""
     if is_sharded(grad):
-        return grad.replace(value=grad.value / lax.axis_size("data"))
-    return lax.pmean(grad, "data")
+        mean = grad.value / lax.axis_size("data")
+        return grad.replace(value=lax.pmean(mean, "replica") if "replica" in every_device() else mean)
+    return lax.pmean(grad, every_device())
+
+
+def global_norm(grads):
+    """The gradient's norm over the whole model, for clipping. Each device holds 1/N of every
+    sharded gradient, so the sums of squares of its shards are added up over 'data' (an
+    all-reduce of one number); a replicated gradient is whole on every device."""
+    leaves = jax.tree.leaves(grads, is_leaf=is_sharded)
+    sharded = sum((jnp.sum(jnp.square(g.value)) for g in leaves if is_sharded(g)), jnp.zeros(()))
+    whole = sum((jnp.sum(jnp.square(g)) for g in leaves if not is_sharded(g)), jnp.zeros(()))
+    return jnp.sqrt(lax.psum(sharded, "data") + whole)
 
 
 def rebox(saved, state):
@@ -127,63 +160,76 @@ def rebox(saved, state):
     return jax.tree.map(lambda box, x: box.replace(value=x) if is_sharded(box) else x, state, saved, is_leaf=is_sharded)
 
 
-def init_state(config, mesh):
-    model = common.GPT(config, wrap=gather_before_use)
-    create = functools.partial(common.create_state, config, model, functools.partial(shard_params, config=config))
+def init_state(config, mesh, shapes_only=False):
+    model = common.make_model(config, wrap=gather_before_use)
+    shard = functools.partial(shard_params, config=config)
+    create = functools.partial(common.create_state, config, model, shard, global_norm=global_norm)
     # Each device computes only its own shards: the full model never exists on one device.
     specs = mesh_specs(jax.eval_shape(create))
-    return jax.jit(create, out_shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs))()
+    create = jax.jit(create, out_shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs))
+    # The state itself, or only its shapes and shardings (nothing allocated) to compile for.
+    return create.eval_shape() if shapes_only else create()
 
 
 def train_step(state, batch, microbatches):
     """One device's share of a step: its shards of the state, its rows of the batch."""
     # Every device must drop different units: fold the device's index into the step's key.
-    rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index("data"))
-    # Mark the replicated parameters as varying over 'data' so their gradients are local, as
-    # in shardmap_dp.py. Shards differ per device already.
+    rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index(every_device()))
+    # Mark the parameters as varying over every device so their gradients are local, as in
+    # shardmap_dp.py: replicated ones over every axis, shards over the replicas if any (they
+    # vary over 'data' already).
+    replicas = tuple(axis for axis in every_device() if axis != "data")
     params = jax.tree.map(
-        lambda p: p if is_sharded(p) else lax.pcast(p, "data", to="varying"), state.params, is_leaf=is_sharded
+        lambda p: lax.pcast(p, replicas if is_sharded(p) else every_device(), to="varying"),
+        state.params,
+        is_leaf=is_sharded,
     )
     local = state.replace(params=params)
     grads, metrics = common.accumulate_gradients(local, batch, rng, microbatches)
     grads = jax.tree.map(average, grads, is_leaf=is_sharded)
-    metrics = lax.psum(metrics, "data")
-    return state.apply_gradients(grads=grads), metrics
+    metrics = lax.psum(metrics, every_device())
+    # The optimizer clips by global_norm(grads): each device holds only its shards of `grads`.
+    state = state.apply_gradients(grads=grads)
+    return state, {**metrics, "grad_norm": common.gradient_norm(state)}
 
 
 def eval_step(state, batch):
     """Summed held-out losses of one device's rows, added up over all devices."""
-    return lax.psum(common.eval_metrics(state, batch), "data")
+    return lax.psum(common.eval_metrics(state, batch), every_device())
 
 
 def device_batch(batch, mesh):
-    # This process's rows become one global array, split over 'data'.
-    return jax.make_array_from_process_local_data(NamedSharding(mesh, BATCH_SPEC), batch)
+    # This process's rows become one global array, split over every device.
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, batch_spec(mesh)), batch)
 
 
 def main(config):
     common.setup(config)
     mesh = make_mesh(config)
     dataset = common.load_dataset(config)
-    state = init_state(config, mesh)
-    checkpoints = common.Checkpoints(config, to_saved=nn.unbox, from_saved=rebox)  # saved without boxes
-    state, start = checkpoints.restore(state)
-    state_spec = mesh_specs(state)  # P(..., 'data', ...) for shards, P() otherwise
+    state_shapes = init_state(config, mesh, shapes_only=True)
+    state_spec = mesh_specs(state_shapes)  # P(..., 'data', ...) for shards, P() otherwise
     step_fn = jax.jit(
         jax.shard_map(
             functools.partial(train_step, microbatches=config.microbatches),
             mesh=mesh,
-            in_specs=(state_spec, BATCH_SPEC),
+            in_specs=(state_spec, batch_spec(mesh)),
             out_specs=(state_spec, P()),
         ),
         donate_argnums=0,
     )
-    eval_fn = jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(state_spec, BATCH_SPEC), out_specs=P()))
+    eval_fn = jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(state_spec, batch_spec(mesh)), out_specs=P()))
+    # Compiled for the shapes of the state and of a batch, before either exists: a step too big
+    # for the devices stops here, with one line, before anything is allocated.
+    batch_shapes = common.batch_shape(config, NamedSharding(mesh, batch_spec(mesh)))
+    compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
+    state = init_state(config, mesh)
+    checkpoints = common.Checkpoints(config, to_saved=nn.unbox, from_saved=rebox)  # saved without boxes
+    state, start = checkpoints.restore(state)
     eval_data = [device_batch(b, mesh) for b in common.eval_batches(dataset, config)]
-    first_batch = device_batch(common.host_batch(dataset, config, 0), mesh)
-    compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
     report = common.cost_report(config, state, compiled, compile_seconds)
-    layout = f"mesh data={mesh.shape['data']}, parameters and optimizer state sharded"
+    axes = ",".join(f"{axis}={size}" for axis, size in mesh.shape.items())
+    layout = f"mesh {axes}, parameters and optimizer state sharded"
     log = common.Logger(config, dataset, layout, report, state.params, start)
     try:
         for step in range(start, config.steps):
@@ -198,7 +244,7 @@ def main(config):
     finally:
         checkpoints.close()  # lets the saves still being written finish, whatever happened
     summary = log.finish()
-    return common.Result(log.losses.values, state, summary, compiled)
+    return common.Result(log.losses.values, log.losses.grad_norms, state, summary, compiled)
 
 
 if __name__ == "__main__":

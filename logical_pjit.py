@@ -6,13 +6,16 @@ nn.with_logical_constraint, in common.py. A rules table maps those names to the 
 ('data', 'model') mesh; a name with no rule stays unsplit. --rules picks a preset:
   dp       the batch over all devices; everything else replicated (as shardmap_dp.py)
   fsdp     the batch and every parameter's 'embed' axis over all devices (as fsdp.py)
-  tp       the batch over 'data'; heads and MLP units over 'model' (as pjit_tp.py)
+  hsdp     fsdp within groups along 'model', replicated across 'data' (as fsdp.py --mesh
+           replica=R,data=M: here 'data' holds the replicas and 'model' the shard groups)
+  tp       the batch over 'data'; heads, MLP units and the vocabulary over 'model' (as pjit_tp.py)
   fsdp_tp  tp, plus every parameter's 'embed' axis over 'data' (2-D sharding)
 A step: the step is written for one device, and jit partitions it (GSPMD) from the
 shardings of its inputs and outputs, inserting the collectives itself.
 Collectives per step, by preset: dp, an all-reduce of the gradients; fsdp, all-gathers of the
-parameters and reduce-scatters of their gradients; tp, all-reduces over 'model' of each
-block's partial sums; fsdp_tp, both of the last two.
+parameters and reduce-scatters of their gradients; hsdp, the same within groups and an
+all-reduce across them; tp, all-reduces over 'model' of each block's partial sums; fsdp_tp,
+both of the last two.
 
 What changes from pjit_tp.py: the table of PartitionSpecs per parameter path becomes a table
 of rules per logical axis name, so the mesh, the model, the step and every flag stay the
@@ -42,14 +45,25 @@ from jax.sharding import PartitionSpec as P
 RULES = {
     "dp": (("batch", ("data", "model")),),
     "fsdp": (("batch", ("data", "model")), ("embed", ("data", "model"))),
-    "tp": (("batch", "data"), ("heads", "model"), ("mlp", "model"), ("act_heads", "model"), ("act_mlp", "model")),
+    "hsdp": (("batch", ("data", "model")), ("embed", "model")),
+    "tp": (
+        ("batch", "data"),
+        ("heads", "model"),
+        ("mlp", "model"),
+        ("vocab", "model"),
+        ("act_heads", "model"),
+        ("act_mlp", "model"),
+        ("act_vocab", "model"),
+    ),
     "fsdp_tp": (
         ("batch", "data"),
         ("embed", "data"),
         ("heads", "model"),
         ("mlp", "model"),
+        ("vocab", "model"),
         ("act_heads", "model"),
         ("act_mlp", "model"),
+        ("act_vocab", "model"),
     ),
 }
 
@@ -59,9 +73,12 @@ class Config(common.Config):
     mesh: str = common.arg("auto", "mesh axis sizes, e.g. data=2,model=4; 'auto' gives that on 8 devices")
     rules: str = common.arg("fsdp_tp", "logical-to-mesh rules preset", choices=tuple(RULES))
 
+    def mesh_axes(self):
+        return common.mesh_shape(self.mesh, ("data", "model"), common.tensor_parallel_auto(self.heads))
+
     def axis_size(self, logical_name):
         """How many ways the rules split a logical axis on this mesh."""
-        shape = common.mesh_shape(self.mesh, self.heads)
+        shape = self.mesh_axes()
         axes = dict(RULES[self.rules]).get(logical_name, ())
         return functools.reduce(lambda n, axis: n * shape[axis], (axes,) if isinstance(axes, str) else axes, 1)
 
@@ -91,7 +108,7 @@ class Config(common.Config):
 
 
 def make_mesh(config):
-    shape = common.mesh_shape(config.mesh, config.heads)
+    shape = config.mesh_axes()
     # Auto axes: the compiler may place whatever the specs below leave unsaid.
     return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
@@ -101,19 +118,23 @@ def state_shardings(abstract_state, mesh, rules):
     return nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_state), mesh, rules)
 
 
-def init_state(config, mesh):
-    create = functools.partial(common.create_state, config, common.GPT(config))
+def init_state(config, mesh, shapes_only=False):
+    create = functools.partial(common.create_state, config, common.make_model(config))
     # Keep the logical boxes in the abstract state to read their names, not in the real one.
     boxed = jax.eval_shape(functools.partial(create, params_fn=lambda params: params))
     # Each device computes only its own shards: the full model never exists on one device.
-    return jax.jit(create, out_shardings=state_shardings(boxed, mesh, RULES[config.rules]))()
+    create = jax.jit(create, out_shardings=state_shardings(boxed, mesh, RULES[config.rules]))
+    # The state itself, or only its shapes and shardings (nothing allocated) to compile for.
+    return create.eval_shape() if shapes_only else create()
 
 
 def train_step(state, batch, microbatches):
     """The single-device step, unchanged: jit partitions it over the mesh."""
     rng = jax.random.fold_in(state.rng, state.step)
     grads, metrics = common.accumulate_gradients(state, batch, rng, microbatches)
-    return state.apply_gradients(grads=grads), metrics
+    # The optimizer clips by the global norm of `grads`: jit adds up its shards' partial sums.
+    state = state.apply_gradients(grads=grads)
+    return state, {**metrics, "grad_norm": common.gradient_norm(state)}
 
 
 def eval_step(state, batch):
@@ -134,10 +155,8 @@ def main(config):
     common.setup(config)
     mesh = make_mesh(config)
     dataset = common.load_dataset(config)
-    state = init_state(config, mesh)
-    checkpoints = common.Checkpoints(config)
-    state, start = checkpoints.restore(state)
-    state_sharding = jax.tree.map(lambda x: x.sharding, state)
+    state_shapes = init_state(config, mesh, shapes_only=True)
+    state_sharding = jax.tree.map(lambda x: x.sharding, state_shapes)
     rules = RULES[config.rules]
     step_fn = jax.jit(
         functools.partial(train_step, microbatches=config.microbatches),
@@ -150,11 +169,16 @@ def main(config):
         in_shardings=(state_sharding, batch_sharding(mesh, rules)),
         out_shardings=NamedSharding(mesh, P()),
     )
-    eval_data = [device_batch(b, mesh, rules) for b in common.eval_batches(dataset, config)]
-    first_batch = device_batch(common.host_batch(dataset, config, 0), mesh, rules)
+    # Compiled for the shapes of the state and of a batch, before either exists: a step too big
+    # for the devices stops here, with one line, before anything is allocated.
+    batch_shapes = common.batch_shape(config, batch_sharding(mesh, rules))
     # The activations' logical constraints resolve against these rules and mesh while tracing.
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-        compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
+        compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
+    state = init_state(config, mesh)
+    checkpoints = common.Checkpoints(config)
+    state, start = checkpoints.restore(state)
+    eval_data = [device_batch(b, mesh, rules) for b in common.eval_batches(dataset, config)]
     report = common.cost_report(config, state, compiled, compile_seconds)
     layout = f"mesh data={mesh.shape['data']},model={mesh.shape['model']}, rules {config.rules}"
     log = common.Logger(config, dataset, layout, report, state.params, start)
@@ -172,7 +196,7 @@ def main(config):
     finally:
         checkpoints.close()  # lets the saves still being written finish, whatever happened
     summary = log.finish()
-    return common.Result(log.losses.values, state, summary, compiled)
+    return common.Result(log.losses.values, log.losses.grad_norms, state, summary, compiled)
 
 
 if __name__ == "__main__":

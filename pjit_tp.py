@@ -5,14 +5,17 @@ devices). Inside each block the weights are split over 'model' in the Megatron l
 first matmul of attention (qkv, which makes each head's query, key and value) and of the MLP
 (fc1) by output columns, so each device owns some heads and some hidden units; the second
 (attn/out, fc2) by input rows, so each device turns its own heads and units into a partial
-sum. PARAM_SPECS says this per parameter path, and the Adam moments, whose paths end with
-the parameter's, follow it. Everything else is replicated. The global batch is split by rows
+sum. The token embedding and the head are split along the vocabulary, so each device makes
+only its part of the logits. PARAM_SPECS says this per parameter path, and the Adam moments,
+whose paths end with the parameter's, follow it. Everything else is replicated. The global batch is split by rows
 over the mesh axis 'data' (P('data')), each device taking an equal share.
 A step: the step is written for one device, and jit partitions it (GSPMD) from the
 shardings of its inputs and outputs, inserting the collectives itself.
 Collectives per step: per block, an all-reduce over 'model' of the partial sums after
 attn/out and after fc2 in the forward pass, and two matching ones in the backward pass; one
-all-reduce over 'data' of the gradients, as in data parallelism, and a tiny one of the metrics.
+after the embedding lookup and one of the head's input gradient; small ones of the loss's
+per-position sums over the vocabulary; one all-reduce over 'data' of the gradients, as in data
+parallelism, and tiny ones of the gradient norm and of the metrics.
 
 What changes from fsdp.py: no collectives by hand. The mesh gains a 'model' axis, a table of
 PartitionSpecs per parameter path replaces the nn.Partitioned boxes, and the step is the
@@ -43,13 +46,15 @@ from jax.sharding import PartitionSpec as P
 class Config(common.Config):
     mesh: str = common.arg("auto", "mesh axis sizes, e.g. data=2,model=4; 'auto' gives that on 8 devices")
 
+    def mesh_axes(self):
+        return common.mesh_shape(self.mesh, ("data", "model"), common.tensor_parallel_auto(self.heads))
+
     def batch_shards(self):
-        return common.mesh_shape(self.mesh, self.heads)["data"]
+        return self.mesh_axes()["data"]
 
     def validate(self):
         super().validate()
-        model = common.mesh_shape(self.mesh, self.heads)["model"]
-        auto = common.mesh_shape("auto", self.heads)
+        model, auto = self.mesh_axes()["model"], common.tensor_parallel_auto(self.heads)
         common.require(
             self.heads % model == 0,
             "mesh",
@@ -58,7 +63,7 @@ class Config(common.Config):
 
 
 def make_mesh(config):
-    shape = common.mesh_shape(config.mesh, config.heads)
+    shape = config.mesh_axes()
     # Auto axes: the compiler may place whatever the specs below leave unsaid.
     return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
@@ -70,7 +75,9 @@ PARAM_SPECS = (
     (r"mlp/fc1/kernel", P(None, "model")),  # [embed, mlp]
     (r"mlp/fc1/bias", P("model")),  # [mlp]
     (r"mlp/fc2/kernel", P("model", None)),  # [mlp, embed]
-    (r"", P()),  # the rest: embeddings, LayerNorms, output biases, the head, step counters
+    (r"embed/token/embedding", P("model", None)),  # [vocab, embed]: each device a part of the vocabulary
+    (r"head/out/kernel", P(None, "model")),  # [embed, vocab]: each device the logits of its part
+    (r"", P()),  # the rest: position embeddings, LayerNorms, output biases, step counters
 )
 BATCH_SPEC = P("data")  # rows split over 'data'
 
@@ -85,17 +92,21 @@ def state_shardings(abstract_state, mesh):
     return jax.tree_util.tree_map_with_path(sharding, abstract_state)
 
 
-def init_state(config, mesh):
-    create = functools.partial(common.create_state, config, common.GPT(config))
+def init_state(config, mesh, shapes_only=False):
+    create = functools.partial(common.create_state, config, common.make_model(config))
     # Each device computes only its own shards: the full model never exists on one device.
-    return jax.jit(create, out_shardings=state_shardings(jax.eval_shape(create), mesh))()
+    create = jax.jit(create, out_shardings=state_shardings(jax.eval_shape(create), mesh))
+    # The state itself, or only its shapes and shardings (nothing allocated) to compile for.
+    return create.eval_shape() if shapes_only else create()
 
 
 def train_step(state, batch, microbatches):
     """The single-device step, unchanged: jit partitions it over the mesh."""
     rng = jax.random.fold_in(state.rng, state.step)
     grads, metrics = common.accumulate_gradients(state, batch, rng, microbatches)
-    return state.apply_gradients(grads=grads), metrics
+    # The optimizer clips by the global norm of `grads`: jit adds up its shards' partial sums.
+    state = state.apply_gradients(grads=grads)
+    return state, {**metrics, "grad_norm": common.gradient_norm(state)}
 
 
 def eval_step(state, batch):
@@ -112,10 +123,8 @@ def main(config):
     common.setup(config)
     mesh = make_mesh(config)
     dataset = common.load_dataset(config)
-    state = init_state(config, mesh)
-    checkpoints = common.Checkpoints(config)
-    state, start = checkpoints.restore(state)
-    state_sharding = jax.tree.map(lambda x: x.sharding, state)
+    state_shapes = init_state(config, mesh, shapes_only=True)
+    state_sharding = jax.tree.map(lambda x: x.sharding, state_shapes)
     step_fn = jax.jit(
         functools.partial(train_step, microbatches=config.microbatches),
         in_shardings=(state_sharding, NamedSharding(mesh, BATCH_SPEC)),
@@ -127,9 +136,14 @@ def main(config):
         in_shardings=(state_sharding, NamedSharding(mesh, BATCH_SPEC)),
         out_shardings=NamedSharding(mesh, P()),
     )
+    # Compiled for the shapes of the state and of a batch, before either exists: a step too big
+    # for the devices stops here, with one line, before anything is allocated.
+    batch_shapes = common.batch_shape(config, NamedSharding(mesh, BATCH_SPEC))
+    compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
+    state = init_state(config, mesh)
+    checkpoints = common.Checkpoints(config)
+    state, start = checkpoints.restore(state)
     eval_data = [device_batch(b, mesh) for b in common.eval_batches(dataset, config)]
-    first_batch = device_batch(common.host_batch(dataset, config, 0), mesh)
-    compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
     report = common.cost_report(config, state, compiled, compile_seconds)
     layout = f"mesh data={mesh.shape['data']},model={mesh.shape['model']}, Megatron tensor parallel"
     log = common.Logger(config, dataset, layout, report, state.params, start)
@@ -146,7 +160,7 @@ def main(config):
     finally:
         checkpoints.close()  # lets the saves still being written finish, whatever happened
     summary = log.finish()
-    return common.Result(log.losses.values, state, summary, compiled)
+    return common.Result(log.losses.values, log.losses.grad_norms, state, summary, compiled)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from jax import lax
 import common
 
 import numpy as np
-from flax import jax_utils
 from flax.training import common_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -43,10 +42,10 @@ class Config(common.Config):
 
 
 def init_state(config):
-    create = functools.partial(common.create_state, config, common.GPT(config))
-    # One copy per local device, stacked. The stack's axis is named like pmap's so the state
-    # pmap returns is laid out the same way, and the step is compiled once, not twice.
-    return jax_utils.replicate(jax.jit(create)(), axis_name="data")
+    create = functools.partial(common.create_state, config, common.make_model(config))
+    # One copy per local device, stacked: pmap builds the same copy (same seed) on every device,
+    # laid out as the state the step returns, so the step is compiled once, not twice.
+    return jax.pmap(lambda _: create(), axis_name="data")(np.arange(jax.local_device_count()))
 
 
 def to_saved(state):
@@ -79,7 +78,9 @@ def train_step(state, batch, microbatches):
     grads, metrics = common.accumulate_gradients(state, batch, rng, microbatches)
     grads = lax.pmean(grads, "data")  # all-reduce: every copy now applies the same update
     metrics = lax.psum(metrics, "data")
-    return state.apply_gradients(grads=grads), metrics
+    # The optimizer clips by the global norm of `grads`: every device holds all of it now.
+    state = state.apply_gradients(grads=grads)
+    return state, {**metrics, "grad_norm": common.gradient_norm(state)}
 
 
 def eval_step(state, batch):
@@ -96,17 +97,19 @@ def main(config):
     common.setup(config)
     dataset = common.load_dataset(config)
     state = init_state(config)
-    checkpoints = common.Checkpoints(config, to_saved, from_saved)  # saved as one copy, not one per device
-    state, start = checkpoints.restore(state)
     step_fn = jax.pmap(
         functools.partial(train_step, microbatches=config.microbatches),
         axis_name="data",
         donate_argnums=0,
     )
     eval_fn = jax.pmap(eval_step, axis_name="data")
-    eval_data = [device_batch(b) for b in common.eval_batches(dataset, config)]
+    # pmap compiles for arrays, not shapes (with several processes it assembles its arguments
+    # from every process's pieces), so its step is checked to fit in memory once the state exists.
     first_batch = device_batch(common.host_batch(dataset, config, 0))
     compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
+    checkpoints = common.Checkpoints(config, to_saved, from_saved)  # saved as one copy, not one per device
+    state, start = checkpoints.restore(state)
+    eval_data = [device_batch(b) for b in common.eval_batches(dataset, config)]
     report = common.cost_report(config, state, compiled, compile_seconds)
     layout = f"pmap over {jax.local_device_count()} local devices, state replicated"
     log = common.Logger(config, dataset, layout, report, state.params, start)
@@ -124,7 +127,7 @@ def main(config):
     finally:
         checkpoints.close()  # lets the saves still being written finish, whatever happened
     summary = log.finish()
-    return common.Result(log.losses.values, state, summary, compiled)
+    return common.Result(log.losses.values, log.losses.grad_norms, state, summary, compiled)
 
 
 if __name__ == "__main__":

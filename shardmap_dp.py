@@ -46,9 +46,11 @@ STATE_SPEC = P()  # replicated: every device holds the whole TrainState
 BATCH_SPEC = P("data")  # rows split over 'data'
 
 
-def init_state(config, mesh):
-    create = functools.partial(common.create_state, config, common.GPT(config))
-    return jax.jit(create, out_shardings=NamedSharding(mesh, STATE_SPEC))()
+def init_state(config, mesh, shapes_only=False):
+    create = functools.partial(common.create_state, config, common.make_model(config))
+    create = jax.jit(create, out_shardings=NamedSharding(mesh, STATE_SPEC))
+    # The state itself, or only its shapes and shardings (nothing allocated) to compile for.
+    return create.eval_shape() if shapes_only else create()
 
 
 def train_step(state, batch, microbatches):
@@ -62,7 +64,9 @@ def train_step(state, batch, microbatches):
     grads, metrics = common.accumulate_gradients(local, batch, rng, microbatches)
     grads = lax.pmean(grads, "data")  # all-reduce: every copy now applies the same update
     metrics = lax.psum(metrics, "data")
-    return state.apply_gradients(grads=grads), metrics
+    # The optimizer clips by the global norm of `grads`: every device holds all of it now.
+    state = state.apply_gradients(grads=grads)
+    return state, {**metrics, "grad_norm": common.gradient_norm(state)}
 
 
 def eval_step(state, batch):
@@ -79,9 +83,7 @@ def main(config):
     common.setup(config)
     mesh = make_mesh(config)
     dataset = common.load_dataset(config)
-    state = init_state(config, mesh)
-    checkpoints = common.Checkpoints(config)
-    state, start = checkpoints.restore(state)
+    state_shapes = init_state(config, mesh, shapes_only=True)
     step_fn = jax.jit(
         jax.shard_map(
             functools.partial(train_step, microbatches=config.microbatches),
@@ -92,9 +94,14 @@ def main(config):
         donate_argnums=0,
     )
     eval_fn = jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(STATE_SPEC, BATCH_SPEC), out_specs=P()))
+    # Compiled for the shapes of the state and of a batch, before either exists: a step too big
+    # for the devices stops here, with one line, before anything is allocated.
+    batch_shapes = common.batch_shape(config, NamedSharding(mesh, BATCH_SPEC))
+    compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
+    state = init_state(config, mesh)
+    checkpoints = common.Checkpoints(config)
+    state, start = checkpoints.restore(state)
     eval_data = [device_batch(b, mesh) for b in common.eval_batches(dataset, config)]
-    first_batch = device_batch(common.host_batch(dataset, config, 0), mesh)
-    compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
     report = common.cost_report(config, state, compiled, compile_seconds)
     layout = f"mesh data={mesh.shape['data']}, state replicated"
     log = common.Logger(config, dataset, layout, report, state.params, start)
@@ -111,7 +118,7 @@ def main(config):
     finally:
         checkpoints.close()  # lets the saves still being written finish, whatever happened
     summary = log.finish()
-    return common.Result(log.losses.values, state, summary, compiled)
+    return common.Result(log.losses.values, log.losses.grad_norms, state, summary, compiled)
 
 
 if __name__ == "__main__":

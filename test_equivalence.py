@@ -13,6 +13,8 @@ documentation) is tested in tests/, one file per concern; tests/harness.py runs 
 
 import functools
 import json
+import re
+import typing
 
 import flax.linen as nn
 import jax
@@ -20,12 +22,20 @@ import numpy as np
 import pytest
 
 import common
+import context_parallel
 import fsdp
+import pipeline
 from tests.harness import (
     ALL, DATA_GROUPS, DEFAULTS, DEVICES, MODEL_GROUPS, PROCESSES, RTOL, SMALL, STRATEGIES,
-    as_flags, cluster, collectives, once_more_after_runtime_abort, replica_groups, run, shard_shapes, state_bytes,
+    as_flags, cluster, collectives, replica_groups, run, shard_shapes, state_bytes,
     wait_ok,
 )  # fmt: skip
+
+
+class Reference(typing.NamedTuple):
+    losses: list  # every step's mean loss
+    grad_norms: list  # every step's global gradient norm, before clipping
+    state: common.TrainState  # the final state
 
 
 @functools.cache
@@ -42,17 +52,20 @@ def reference(**overrides):
         )
         return state.apply_gradients(grads=grads), metrics
 
-    losses = []
+    losses, grad_norms = [], []
     for step in range(config.steps):
         state, metrics = train_step(state, dataset.batch(step, 0, config.batch_size))
         losses.append(float(metrics["loss_sum"]) / float(metrics["tokens"]))
+        grad_norms.append(float(common.gradient_norm(state)))
     assert len(jax.tree.leaves(state.params)[0].devices()) == 1
-    return losses, state
+    return Reference(losses, grad_norms, state)
 
 
 def global_params(name, state):
     """The parameters as plain global numpy arrays, whatever the strategy's layout."""
     params = nn.unbox(state.params)  # fsdp.py's nn.Partitioned boxes hold global arrays
+    if name.startswith("pipeline"):  # its blocks stacked, each stage holding its own
+        params = pipeline.unstack_blocks(params)
     if name == "pmap_dp":  # one stacked copy per device: check they agree, keep one
         for leaf in jax.tree.leaves(params):
             copies = np.asarray(leaf)
@@ -61,41 +74,86 @@ def global_params(name, state):
     return jax.tree.map(np.asarray, params)
 
 
-def compare(name, result, ref_losses, ref_state):
-    """Per-step losses and final parameters against the reference, both relative: the loss
-    difference over the reference loss, and for each parameter ||mine - ref|| / ||ref||."""
-    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(result.losses, ref_losses, strict=True))
-    mine, ref = global_params(name, result.state), global_params("reference", ref_state)
-    assert jax.tree.structure(mine) == jax.tree.structure(ref)
-    pairs = list(zip(jax.tree.leaves(mine), jax.tree.leaves(ref), strict=True))
+def relative(mine, ref):
+    """The largest difference between two lists of numbers, relative to the reference's."""
+    return max(abs(a - b) / abs(b) for a, b in zip(mine, ref, strict=True))
+
+
+def compare(name, result, ref):
+    """Per-step losses and gradient norms, and final parameters, against the reference, all
+    relative: the difference over the reference's value, and for each parameter
+    ||mine - ref|| / ||ref||."""
+    loss_diff, norm_diff = relative(result.losses, ref.losses), relative(result.grad_norms, ref.grad_norms)
+    mine, theirs = global_params(name, result.state), global_params("reference", ref.state)
+    assert jax.tree.structure(mine) == jax.tree.structure(theirs)
+    pairs = list(zip(jax.tree.leaves(mine), jax.tree.leaves(theirs), strict=True))
     param_diff = max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in pairs)
     abs_diff = max(np.abs(a - b).max() for a, b in pairs)
-    print(f"\n{name}: loss {loss_diff:.1e}, parameters {param_diff:.1e} (largest |difference| {abs_diff:.1e})")
-    assert loss_diff <= RTOL
-    assert param_diff <= RTOL
+    print(
+        f"\n{name}: loss {loss_diff:.1e}, gradient norm {norm_diff:.1e}, parameters {param_diff:.1e} "
+        f"(largest |difference| {abs_diff:.1e})"
+    )
+    assert loss_diff <= RTOL and norm_diff <= RTOL and param_diff <= RTOL
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_matches_single_device_reference(name):
-    compare(name, run(name), *reference())
+    compare(name, run(name), reference())
     assert run(name).losses[-1] < run(name).losses[0] - 1  # and it learned something
 
 
 @pytest.mark.parametrize("name", DEFAULTS.values())
 def test_microbatches_match(name):
     result = run(name, microbatches=4, batch_size=32)
-    compare(f"{name} --microbatches 4", result, *reference(batch_size=32))
+    compare(f"{name} --microbatches 4", result, reference(batch_size=32))
 
 
 @pytest.mark.parametrize("name", ["fsdp", "pjit_tp", "logical_fsdp_tp"])  # the scripts that handle scanning
 def test_scanned_layers_match(name):
     result = run(name, scan_layers=True)
-    compare(f"{name} --scan-layers", result, reference()[0], reference(scan_layers=True)[1])
+    compare(f"{name} --scan-layers", result, reference()._replace(state=reference(scan_layers=True).state))
 
 
 def test_remat_matches():
     for name in ("shardmap_dp", "fsdp", "logical_fsdp_tp"):
-        compare(f"{name} --remat", run(name, remat=True), *reference())
+        compare(f"{name} --remat", run(name, remat=True), reference())
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_clipping_matches(name):
+    """Clipping by the global norm, with a threshold so low that it binds on every step: the
+    norm is over the whole model, whatever piece of the gradient each device holds."""
+    ref = reference(clip_norm=0.05, steps=10)
+    assert min(ref.grad_norms) > 0.05  # it clips every step
+    compare(f"{name} --clip-norm 0.05", run(name, clip_norm=0.05, steps=10), ref)
+
+
+@pytest.mark.parametrize("name", ["pjit_tp", "logical_tp"])
+def test_vocabulary_is_split_over_model(name):
+    """The token embedding and the head split along the vocabulary, a quarter per 'model'
+    device; the loss needs no all-gather of logits-sized arrays."""
+    result, d = run(name, vocab_size=4096), SMALL["d_model"]
+    shapes = shard_shapes(result)
+    assert shapes["embed/token/embedding"] == (4096 // 4, d) and shapes["head/out/kernel"] == (d, 4096 // 4)
+    quarter_logits = SMALL["batch_size"] // 2 * SMALL["seq_len"] * 4096 // 4 * 4  # float32, data=2
+    gathers = [c["bytes"] for c in common.hlo_collectives(result.compiled.as_text()) if c["op"] == "all-gather"]
+    print(f"\n{name} --vocab-size 4096: all-gathers {gathers} bytes; a device's logits {quarter_logits:,} bytes")
+    assert all(size < quarter_logits / 4 for size in gathers)
+    compare(f"{name} --vocab-size 4096", result, reference(vocab_size=4096))
+
+
+PIPELINES = [("data=2,stage=4", 4), ("data=1,stage=8", 8)]  # --mesh, --layers
+
+
+@pytest.mark.parametrize("schedule", pipeline.SCHEDULES)
+@pytest.mark.parametrize("mesh, layers", PIPELINES, ids=[mesh for mesh, _ in PIPELINES])
+def test_pipeline_matches(schedule, mesh, layers):
+    result = run(f"pipeline_{schedule}", mesh=mesh, layers=layers, microbatches=8)
+    compare(f"pipeline {schedule} --mesh {mesh}", result, reference(layers=layers))
+
+
+def test_context_parallel_matches_on_eight():
+    compare("context_parallel --mesh data=1,context=8", run("context_parallel", mesh="data=1,context=8"), reference())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -173,7 +231,7 @@ def test_fsdp_gathers_again_for_the_backward_pass():
         jax.shard_map(
             functools.partial(fsdp.train_step, microbatches=1),
             mesh=mesh,
-            in_specs=(spec, fsdp.BATCH_SPEC),
+            in_specs=(spec, fsdp.batch_spec(mesh)),
             out_specs=(spec, fsdp.P()),
         )
     )
@@ -196,7 +254,8 @@ def test_pjit_tp_splits_blocks_over_model():
         assert shapes[f"{block}/attn/out/kernel"] == (d // 4, d)
         assert shapes[f"{block}/mlp/fc1/kernel"] == (d, 4 * d // 4)
         assert shapes[f"{block}/mlp/fc2/kernel"] == (4 * d // 4, d)
-    assert shapes["embed/token/embedding"] == (common.VOCAB_SIZE, d)  # replicated
+    assert shapes["embed/token/embedding"] == (common.BYTES // 4, d)  # the vocabulary split too
+    assert shapes["head/out/kernel"] == (d, common.BYTES // 4)
     ops = collectives(result.compiled)
     assert MODEL_GROUPS in ops["all-reduce"]  # the partial sums of the row-parallel matmuls
     assert DATA_GROUPS in ops["all-reduce"]  # the data-parallel gradient reduction
@@ -205,8 +264,10 @@ def test_pjit_tp_splits_blocks_over_model():
 @pytest.mark.parametrize("name", ["pjit_tp", "logical_tp"])
 def test_tensor_parallelism_is_megatron(name):
     """Per block, two all-reduces of an activation over 'model' forward (after attn/out and
-    fc2) and two backward (the input gradients of qkv and fc1); no weight is all-gathered; the
-    only other collective is the data-parallel gradient all-reduce."""
+    fc2) and two backward (the input gradients of qkv and fc1); with the vocabulary split, one
+    after the embedding lookup (each device looks up its part of the vocabulary) and one of the
+    head's input gradient; no weight is all-gathered; the only other collective is the
+    data-parallel gradient all-reduce."""
     summary = run(name).summary
     activation = SMALL["batch_size"] // 2 * SMALL["seq_len"] * SMALL["d_model"] * 4  # float32, data=2
     by_group = {}
@@ -215,10 +276,78 @@ def test_tensor_parallelism_is_megatron(name):
         by_group.setdefault((c["op"], groups), []).append(c["bytes"] * c["runs"])
     model_reduces = by_group.pop(("all-reduce", frozenset(MODEL_GROUPS)))
     gradient_reduces = by_group.pop(("all-reduce", frozenset(DATA_GROUPS)))
-    print(f"\n{name}: {len(model_reduces)} activation all-reduces over model, {len(gradient_reduces)} over data")
-    assert model_reduces == [activation] * 4 * SMALL["layers"]
+    # Besides the activations, small ones: the loss's per-position maxima and sums over the split
+    # vocabulary, and the clipping norm's partial sums; XLA may fuse one into an activation's.
+    per_position = SMALL["batch_size"] // 2 * SMALL["seq_len"] * 4
+    activations = [size for size in model_reduces if size >= activation]
+    print(f"\n{name}: {len(activations)} activation all-reduces over model, {len(gradient_reduces)} over data")
+    assert len(activations) == 4 * SMALL["layers"] + 2
+    assert all(size - activation <= per_position + 64 for size in activations)
+    assert all(size <= per_position for size in model_reduces if size < activation)
     assert len(gradient_reduces) >= 1 and not by_group, by_group
     assert summary["collectives"]["all-gather"]["bytes"] < 0.1 * summary["param_bytes"]
+
+
+def test_hsdp_shards_within_groups_and_replicates_across():
+    """fsdp.py --mesh replica=2,data=4: 1/4 of the state per device; parameters gathered and
+    gradients reduce-scattered within each group of 4, then all-reduced across the 2 groups."""
+    result = run("hsdp")
+    total, per_device = state_bytes(result.state)
+    print(f"\nhsdp: {per_device / total * 4:.4f} x total/4 state bytes on device 0")
+    assert abs(per_device / total * 4 - 1) <= 0.05
+    groups_of_4, pairs = MODEL_GROUPS, DATA_GROUPS  # the rows and columns of the 2 x 4 mesh
+    ops = collectives(result.compiled)
+    assert {frozenset(g) for g in ops["all-gather"]} == {frozenset(groups_of_4)}
+    assert {frozenset(g) for g in ops["reduce-scatter"]} == {frozenset(groups_of_4)}
+    assert pairs in ops["all-reduce"]
+
+
+def test_pipeline_splits_the_blocks_over_stages():
+    """Each device holds one stage's blocks and their moments; activations and gradients move
+    between neighbouring stages (collective-permutes), gradients are all-reduced over 'data'."""
+    result = run("pipeline_1f1b", mesh="data=2,stage=4", layers=4, microbatches=8)
+    for leaf in jax.tree.leaves((result.state.params["blocks"], result.state.opt_state[1][0].mu["blocks"])):
+        assert leaf.addressable_data(0).shape[0] == 1  # 4 layers over 4 stages
+    neighbours = {(s, s + 1) for s in (0, 1, 2, 4, 5, 6)}
+    pairs = set()
+    for c in common.hlo_collectives(result.compiled.as_text()):
+        if c["op"] == "collective-permute":
+            pairs |= {
+                tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", c["line"].split("source_target_pairs=")[1])
+            }
+    assert pairs == neighbours | {(b, a) for a, b in neighbours}  # forward and backward
+    assert DATA_GROUPS in collectives(result.compiled)["all-reduce"]
+
+
+@pytest.mark.parametrize("mesh, context", [("data=2,context=4", 4), ("data=1,context=8", 8)])
+def test_ring_attention_passes_keys_and_values_around_the_ring(mesh, context):
+    """Per layer, N - 1 hops of a key block and a value block forward, and of their gradients
+    backward, each one device's piece of the sequence; nothing gathers a whole sequence's keys
+    or values. Each hop sends to the next device of the same 'data' row of the mesh."""
+    result = run("context_parallel", mesh=mesh)
+    block = SMALL["batch_size"] // (DEVICES // context) * SMALL["seq_len"] // context * SMALL["d_model"] * 4
+    permutes = [c for c in common.hlo_collectives(result.compiled.as_text()) if c["op"] == "collective-permute"]
+    hops = sum(c["runs"] for c in permutes)
+    print(f"\n{mesh}: {hops} collective-permutes of {block:,} bytes per step ({SMALL['layers']} layers)")
+    assert hops == SMALL["layers"] * 2 * 2 * (context - 1) and {c["bytes"] for c in permutes} == {block}
+    ring = {(row + d, row + (d + 1) % context) for row in range(0, DEVICES, context) for d in range(context)}
+    for c in permutes:
+        pairs = {tuple(map(int, p)) for p in re.findall(r"\{(\d+),(\d+)\}", c["line"].split("source_target_pairs=")[1])}
+        assert pairs == ring or pairs == {(b, a) for a, b in ring}  # forward, or the gradients' way back
+    gathers = [c["bytes"] for c in common.hlo_collectives(result.compiled.as_text()) if c["op"] == "all-gather"]
+    assert all(size < block for size in gathers)
+
+
+def test_causal_attention_work_is_balanced():
+    """Each device holds a piece of the sequence and its mirror, so under the causal mask every
+    device attends to as many (query piece, key piece) blocks; contiguous pieces would not."""
+    for devices in (4, 8):
+        balanced = context_parallel.attention_work(devices)
+        contiguous = context_parallel.attention_work(devices, balanced=False)
+        print(f"\ncontext={devices}: blocks per device {balanced}; contiguous pieces would give {contiguous}")
+        assert max(balanced) <= 1.1 * min(balanced) and max(contiguous) >= 4 * min(contiguous)
+        order = context_parallel.balanced_order(4 * devices, devices)  # pieces of 2 positions
+        assert sorted(order) == list(range(4 * devices)) and list(order[:4]) == [0, 1, 4 * devices - 2, 4 * devices - 1]
 
 
 @pytest.mark.parametrize(
@@ -226,6 +355,7 @@ def test_tensor_parallelism_is_megatron(name):
     [
         ("dp", (64, 256), ("all-reduce", ALL)),
         ("fsdp", (64 // 8, 256), ("all-gather", ALL)),
+        ("hsdp", (64 // 4, 256), ("all-gather", MODEL_GROUPS)),
         ("tp", (64, 256 // 4), ("all-reduce", MODEL_GROUPS)),
         ("fsdp_tp", (64 // 2, 256 // 4), ("all-reduce", MODEL_GROUPS)),
     ],
@@ -238,9 +368,11 @@ def test_logical_rules_decide_the_layout(rules, fc1_shard, collective):
     assert groups in ops[op], f"{op} over {groups} not in {ops.keys()}"
     if rules == "dp":
         assert "all-gather" not in ops
-    if rules in ("fsdp", "fsdp_tp"):
+    if rules in ("fsdp", "fsdp_tp", "hsdp"):
         total, per_device = state_bytes(result.state)
         print(f"\nlogical {rules}: {per_device / total * DEVICES:.3f} x total/8 bytes on device 0")
+    if rules == "hsdp":  # shards of 4 within the 'model' groups, replicated across 'data'
+        assert abs(per_device / total * 4 - 1) <= 0.05 and DATA_GROUPS in ops["all-reduce"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -249,14 +381,14 @@ def test_logical_rules_decide_the_layout(rules, fc1_shard, collective):
 
 
 @pytest.mark.parametrize("script", DEFAULTS)
-@once_more_after_runtime_abort
 def test_two_processes_match_one(script, tmp_path):
     """Each script from the command line, copied alone into a folder, as 2 processes x 4
     devices: the same losses as 1 process x 8. The run stops after the warmup steps, whose
     learning rates do not depend on --steps, so they compare with the 20-step run."""
     metrics = tmp_path / "metrics.jsonl"
     steps = SMALL["warmup_steps"]
-    flags = as_flags({**SMALL, "steps": steps, "log_every": 1, "metrics_file": metrics})
+    strategy_flags = STRATEGIES[DEFAULTS[script]][1]
+    flags = as_flags({**SMALL, **strategy_flags, "steps": steps, "log_every": 1, "metrics_file": metrics})
     with cluster(script, tmp_path, flags) as procs:
         logs = wait_ok(procs, tmp_path)
     assert f"step {steps}/{steps}" in logs[0] and "step " not in logs[1]  # only process 0 reports

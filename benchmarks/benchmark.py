@@ -27,9 +27,14 @@ STRATEGIES = {
     "pmap_dp": ["pmap_dp.py"],
     "shardmap_dp": ["shardmap_dp.py"],
     "fsdp": ["fsdp.py"],
+    "hsdp": ["fsdp.py", "--mesh", "replica=2,data=4"],
     "pjit_tp": ["pjit_tp.py"],
-    **{f"logical {rules}": ["logical_pjit.py", "--rules", rules] for rules in ("dp", "fsdp", "tp", "fsdp_tp")},
+    **{f"logical {rules}": ["logical_pjit.py", "--rules", rules] for rules in ("dp", "fsdp", "hsdp", "tp", "fsdp_tp")},
+    "pipeline gpipe": ["pipeline.py", "--schedule", "gpipe"],
+    "pipeline 1f1b": ["pipeline.py", "--schedule", "1f1b"],
+    "context_parallel": ["context_parallel.py"],
 }
+NO_REMAT = {"pipeline gpipe", "pipeline 1f1b"}  # each stage's backward recomputes it already
 README_START, README_END = "<!-- benchmark:start -->", "<!-- benchmark:end -->"
 
 
@@ -73,7 +78,7 @@ def table(rows):
             f"{s['state_bytes_per_device'] * s['devices'] / s['state_bytes_total']:.2f}",
             megabytes(s["compiled_argument_bytes"]),
             megabytes(s["compiled_temp_bytes"]),
-            megabytes(remat["compiled_temp_bytes"]) if remat else "not run",
+            megabytes(remat["compiled_temp_bytes"]) if remat else "–",
             collective_cell(c["all-reduce"]),
             collective_cell(c["all-gather"]),
             collective_cell(c["reduce-scatter"]),
@@ -134,7 +139,9 @@ def main():
         for strategy in args.only.split(","):
             start = time.perf_counter()
             records, summary = run(strategy, flags, folder)
-            remat = run(strategy, [*flags, "--steps=1", "--eval-every=0", "--remat"], folder)[1] if args.remat else None
+            remat = None
+            if args.remat and strategy not in NO_REMAT:
+                remat = run(strategy, [*flags, "--steps=1", "--eval-every=0", "--remat"], folder)[1]
             rows[strategy] = (records, summary, remat)
             print(
                 f"{strategy}: final loss {summary['final_loss']:.4f} ({time.perf_counter() - start:.0f}s)", flush=True

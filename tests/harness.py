@@ -12,7 +12,6 @@ import signal
 import socket
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import flax.linen as nn
@@ -20,8 +19,10 @@ import jax
 import numpy as np
 
 import common
+import context_parallel
 import fsdp
 import logical_pjit
+import pipeline
 import pjit_tp
 import pmap_dp
 import shardmap_dp
@@ -34,7 +35,8 @@ SMALL = dict(
 )  # fmt: skip
 RTOL = 1e-5  # per-step losses and final parameters within 1e-5 of one device, relative
 # A still smaller run, for the command line: seconds, not tens of seconds.
-TINY = ["--steps", "3", "--batch-size", "8", "--seq-len", "16", "--layers", "1", "--d-model", "32", "--log-every", "1"]
+TINY = ["--steps", "3", "--batch-size", "8", "--seq-len", "16", "--layers", "1", "--d-model", "32", "--log-every", "1",
+        "--microbatches", "1"]  # fmt: skip
 
 SCRIPTS = {
     "pmap_dp": pmap_dp,
@@ -42,12 +44,17 @@ SCRIPTS = {
     "fsdp": fsdp,
     "pjit_tp": pjit_tp,
     "logical_pjit": logical_pjit,
+    "pipeline": pipeline,
+    "context_parallel": context_parallel,
 }
-# A strategy is a script with its own flags: every script, and each logical_pjit.py preset.
-STRATEGIES = {name: (module, {}) for name, module in SCRIPTS.items() if name != "logical_pjit"}
+# A strategy is a script with its own flags: every script, each logical_pjit.py preset, HSDP
+# and each pipeline schedule (on SMALL's 2 layers: 'auto' gives data=4,stage=2).
+STRATEGIES = {name: (module, {}) for name, module in SCRIPTS.items() if name not in ("logical_pjit", "pipeline")}
+STRATEGIES["hsdp"] = (fsdp, {"mesh": "replica=2,data=4"})
 STRATEGIES.update({f"logical_{rules}": (logical_pjit, {"rules": rules}) for rules in logical_pjit.RULES})
+STRATEGIES.update({f"pipeline_{s}": (pipeline, {"schedule": s, "microbatches": 2}) for s in pipeline.SCHEDULES})
 # Each script with its default flags, as a strategy name: logical_pjit.py defaults to fsdp_tp.
-DEFAULTS = {name: name for name in SCRIPTS} | {"logical_pjit": "logical_fsdp_tp"}
+DEFAULTS = {name: name for name in SCRIPTS} | {"logical_pjit": "logical_fsdp_tp", "pipeline": "pipeline_1f1b"}
 
 
 def run_uncached(name, **overrides):
@@ -78,10 +85,18 @@ def collectives(compiled):
 
 def replica_groups(line):
     """The device groups of one collective, from any of the three forms XLA prints."""
-    if mesh := re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line):  # groups vary along named axes
+    # Groups vary along named axes of a mesh, whose devices are in order or an iota's permutation.
+    mesh = re.search(
+        r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? \{([^}]*)\}", line
+    )
+    if mesh:
         axes = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
-        varying = [[name for name, _ in axes].index(a) for a in re.findall(r"'(\w+)'", mesh.group(2))]
-        ids = np.arange(DEVICES).reshape([int(size) for _, size in axes])
+        varying = [[name for name, _ in axes].index(a) for a in re.findall(r"'(\w+)'", mesh.group(4))]
+        ids = np.arange(DEVICES)
+        if mesh.group(2):
+            ids = ids.reshape([int(d) for d in mesh.group(2).split(",")])
+            ids = ids.transpose([int(p) for p in mesh.group(3).split(",")]) if mesh.group(3) else ids
+        ids = ids.reshape([int(size) for _, size in axes])
         kept = [i for i in range(ids.ndim) if i not in varying]
         ids = ids.transpose(kept + varying)
         return {tuple(g) for g in ids.reshape(-1, math.prod(ids.shape[len(kept) :])).tolist()}
@@ -149,20 +164,21 @@ PROCESSES = 2
 
 
 @contextlib.contextmanager
-def cluster(script, tmp_path, flags, heartbeat=30):
+def cluster(script, tmp_path, flags, heartbeat=30, extra=((), ()), started=(0, 1)):
     """Start PROCESSES copies of a script, each with DEVICES / PROCESSES CPU devices, from a
-    folder holding only the script and common.py; kill any still running on the way out."""
+    folder holding only the script and common.py; kill any still running on the way out.
+    `extra` adds flags to each process; only the processes in `started` are started."""
     copy_alone(script, tmp_path)
     port = free_port()
     procs = []
     try:
-        for i in range(PROCESSES):
+        for i in started:
             log = open(tmp_path / f"process{i}.log", "w")
             procs.append(
                 subprocess.Popen(
                     [sys.executable, f"{script}.py", *flags, f"--cpu-devices={DEVICES // PROCESSES}",
                      f"--coordinator-address=127.0.0.1:{port}", f"--num-processes={PROCESSES}",
-                     f"--process-id={i}", f"--heartbeat-timeout={heartbeat}"],
+                     f"--process-id={i}", f"--heartbeat-timeout={heartbeat}", *extra[i]],
                     cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                 )
             )  # fmt: skip
@@ -175,38 +191,15 @@ def cluster(script, tmp_path, flags, heartbeat=30):
                 proc.wait()
 
 
-class RuntimeAbort(AssertionError):
-    """A process of a cluster was aborted (SIGABRT) by the C++ runtime: our code never aborts."""
-
-
 def wait_ok(procs, tmp_path, timeout=600):
     """Wait for every process of a cluster; if one fails, show what each one printed."""
     codes = [proc.wait(timeout=timeout) for proc in procs]
     logs = [(tmp_path / f"process{i}.log").read_text() for i in range(len(procs))]
     if codes != [0] * len(procs):
-        report = "\n".join(
-            f"--- process {i} exited {code}, its last lines:\n{log[-4000:]}"
-            for i, (code, log) in enumerate(zip(codes, logs, strict=True))
+        raise AssertionError(
+            "\n".join(
+                f"--- process {i} exited {code}, its last lines:\n{log[-4000:]}"
+                for i, (code, log) in enumerate(zip(codes, logs, strict=True))
+            )
         )
-        raise (RuntimeAbort if -signal.SIGABRT in codes else AssertionError)(report)
     return logs
-
-
-def once_more_after_runtime_abort(test):
-    """Run a multi-process test a second time, in a fresh folder, if the runtime aborted one
-    of its processes. The runtime (gloo collectives on CPU) has aborted a healthy 2-process
-    run in CI, rarely and not reproducibly (both processes SIGABRT, no Python error); an
-    abort that repeats, and any other failure, still fails the test."""
-
-    @functools.wraps(test)
-    def wrapper(*args, tmp_path, **kwargs):
-        for attempt in ("first", "again"):
-            (tmp_path / attempt).mkdir()
-            try:
-                return test(*args, tmp_path=tmp_path / attempt, **kwargs)
-            except RuntimeAbort as abort:
-                if attempt == "again":
-                    raise
-                warnings.warn(f"the runtime aborted a process; running the test again:\n{abort}", stacklevel=1)
-
-    return wrapper

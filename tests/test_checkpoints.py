@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.harness import (
-    RTOL, SMALL, TINY, as_flags, cluster, copy_alone, once_more_after_runtime_abort, run, run_script, run_uncached,
+    RTOL, SMALL, TINY, as_flags, cluster, copy_alone, run, run_script, run_uncached,
     wait_ok,
 )  # fmt: skip
 
@@ -40,7 +40,10 @@ def test_resume_is_exact_in_the_same_script(name, tmp_path):
     assert steps_in(tmp_path) == [10, 20]
 
 
-@pytest.mark.parametrize("writer, reader", [("fsdp", "logical_fsdp_tp"), ("pmap_dp", "fsdp")])
+@pytest.mark.parametrize(
+    "writer, reader",
+    [("fsdp", "logical_fsdp_tp"), ("pmap_dp", "fsdp"), ("fsdp", "pipeline_1f1b"), ("pipeline_1f1b", "logical_fsdp_tp")],
+)
 def test_another_script_resumes(writer, reader, tmp_path):
     interrupted(writer, tmp_path)
     resumed = run_uncached(reader, checkpoint_dir=str(tmp_path), checkpoint_every=10)
@@ -183,7 +186,6 @@ def test_unwritable_checkpoint_dir_exits_2(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["pmap_dp", "fsdp"])  # one copy per device; each process its shards
-@once_more_after_runtime_abort
 def test_two_processes_resume(script, tmp_path):
     ckpt = tmp_path / "ckpt"
     flags = as_flags({**SMALL, "steps": 10, "log_every": 1, "checkpoint_dir": ckpt, "checkpoint_every": 5})
@@ -334,3 +336,33 @@ def test_a_failed_save_stops_with_one_line(tmp_path):
     again = run_script("shardmap_dp", tmp_path, *TINY, "--checkpoint-dir", "ckpt", "--steps", "4")
     assert again.returncode == 0 and "resumed from the checkpoint of step 2" in again.stdout
     assert steps_in(tmp_path / "ckpt") == [2, 4]
+
+
+@pytest.mark.parametrize("script", ["fsdp", "pjit_tp"])
+def test_resume_on_fewer_devices(script, tmp_path):
+    """A checkpoint written on 8 devices resumes on 4: each array is read into the new layout,
+    and the data follows from the step, so the losses continue as if nothing had happened."""
+    interrupted(script, tmp_path / "ckpt")  # 8 devices, then forgotten after step 10
+    flags = as_flags({**SMALL, "checkpoint_dir": "ckpt", "log_every": 1, "metrics_file": "m.jsonl"})
+    done = run_script(script, tmp_path, *flags, "--cpu-devices=4")
+    assert done.returncode == 0 and "resumed from the checkpoint of step 10" in done.stdout, done.stderr[-2000:]
+    assert done.stdout.startswith("4 cpu devices") or "\n4 cpu devices" in done.stdout
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()[:-1]]
+    uninterrupted = run(script).losses[10:]
+    diff = max(abs(r["loss"] - ref) / ref for r, ref in zip(records, uninterrupted, strict=True))
+    print(f"\n{script}: 8 devices -> 4, steps 11-20: loss {diff:.1e}")
+    assert [r["step"] for r in records] == list(range(11, 21)) and diff <= RTOL
+
+
+def test_resume_from_two_processes_on_one(tmp_path):
+    """fsdp.py as 2 processes x 4 devices writes a checkpoint; 1 process x 8 devices resumes it."""
+    ckpt = tmp_path / "ckpt"
+    flags = as_flags({**SMALL, "steps": 10, "log_every": 1, "checkpoint_dir": ckpt, "checkpoint_every": 5})
+    with cluster("fsdp", tmp_path, flags + [f"--metrics-file={tmp_path / 'first.jsonl'}"]) as procs:
+        wait_ok(procs, tmp_path)
+    shutil.rmtree(ckpt / "10")
+    resumed = run_uncached("fsdp", steps=10, checkpoint_dir=str(ckpt), checkpoint_every=5)
+    first = [json.loads(line)["loss"] for line in (tmp_path / "first.jsonl").read_text().splitlines()[:-1]]
+    diff = max(abs(a - b) / b for a, b in zip(resumed.losses, first[5:], strict=True))
+    print(f"\nfsdp: 2 processes x 4 -> 1 x 8, steps 6-10: loss {diff:.1e}")
+    assert len(resumed.losses) == 5 and diff <= RTOL

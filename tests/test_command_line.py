@@ -5,12 +5,14 @@ program the report describes."""
 
 import os
 import re
+import subprocess
+import sys
 
 import jax
 import pytest
 
 import common
-from tests.harness import DEFAULTS, SCRIPTS, SMALL, TINY, run, run_script, run_uncached
+from tests.harness import DEFAULTS, SCRIPTS, SMALL, TINY, copy_alone, run, run_script, run_uncached
 
 COMPILATIONS, LOWERINGS = [], []  # every XLA compilation, and every lowering to XLA, in this process
 jax.monitoring.register_event_duration_secs_listener(
@@ -33,6 +35,14 @@ BAD_INPUTS = [
     (["--heads", "6", "--d-model", "96", "--mesh", "data=2,model=4"], ("logical_pjit",), "splits 'heads' 4 ways"),
     (["--d-model", "36", "--rules", "fsdp"], ("logical_pjit",), "splits 'embed' 8 ways under --rules fsdp"),
     (["--d-model", "100", "--heads", "8"], SCRIPTS, "--heads must divide --d-model 100"),
+    (["--mesh", "data=2,stage=4", "--layers", "3"], ("pipeline",), "--layers 3 must split evenly over stage=4"),
+    (["--mesh", "data=2,stage=4", "--layers", "4", "--microbatches", "2", "--batch-size", "16"], ("pipeline",),
+     "--microbatches must be at least the 4 stages for 1F1B"),
+    (["--schedule", "zigzag"], ("pipeline",), "argument --schedule: invalid choice: 'zigzag'"),
+    (["--mesh", "data=8"], ("pipeline",), "--mesh data=8 must name the axes data and stage"),
+    (["--mesh", "data=2,context=4", "--seq-len", "12"], ("context_parallel",),
+     "--seq-len must split into 2 x context = 8 equal pieces"),
+    (["--mesh", "data=8"], ("context_parallel",), "--mesh data=8 must name the axes data and context"),
     (["--steps", "0"], SCRIPTS, "--steps must be positive"),
     (["--layers", "0"], SCRIPTS, "--layers must be positive"),
     (["--seq-len", "-1"], SCRIPTS, "--seq-len must be positive"),
@@ -135,16 +145,84 @@ def test_non_finite_loss_stops_and_is_never_saved(tmp_path):
 def test_pmap_loop_runs_the_compiled_program():
     """pmap_dp.py's loop calls step_fn, not the AOT-compiled step the report describes; pmap
     runs the executable it compiled then, so the loop lowers and compiles nothing new."""
-    compile_step, counts = common.compile_step, []
+    logger_init, counts = common.Logger.__init__, []
 
-    def counting_compile_step(*args):
-        compiled = compile_step(*args)
+    def counting_logger_init(*args, **kwargs):  # the Logger starts right before the loop
+        logger_init(*args, **kwargs)
         counts.append((len(LOWERINGS), len(COMPILATIONS)))
-        return compiled
 
-    common.compile_step = counting_compile_step
+    common.Logger.__init__ = counting_logger_init
     try:
         result = run_uncached("pmap_dp", steps=5, eval_every=0)
     finally:
-        common.compile_step = compile_step
+        common.Logger.__init__ = logger_init
     assert len(result.losses) == 5 and counts == [(len(LOWERINGS), len(COMPILATIONS))]
+
+
+@pytest.mark.parametrize(
+    "flags", [["--batch-size", "1048576"], ["--d-model", "65536"], ["--seq-len", "1000000"]], ids=lambda f: " ".join(f)
+)
+def test_a_step_too_big_for_the_devices_exits_2(flags, capsys):
+    """Compiled for shapes before anything is allocated, the step's memory is compared with the
+    devices': one line saying what it needs, what there is and which flags reduce it, within
+    seconds (before: minutes of silence building held-out batches, then out of memory)."""
+    import time
+
+    module = SCRIPTS["fsdp"]
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(common.parse_config(module.Config, module.__doc__, [*TINY, *flags]))
+    seconds = time.monotonic() - start
+    out, err = capsys.readouterr()
+    print(f"\n{' '.join(flags)}: {seconds:.1f}s: {err.strip()[:160]}")
+    assert exit_info.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert re.search(r"the train step needs [\d,.]+ GB per device .* but a cpu device has [\d,.]+ [GM]B", err)
+    assert "--batch-size" in err and "--microbatches" in err and "--remat" in err
+    assert seconds < 120
+
+
+def test_no_held_out_batch_is_built_without_evaluation():
+    config = common.Config(**{**SMALL, "eval_every": 0})
+    assert common.eval_batches(common.load_dataset(config), config) == []
+
+
+@pytest.mark.parametrize("platform, plugin", [("cuda", "jax[cuda13]"), ("tpu", "jax[tpu]")])
+def test_a_missing_accelerator_plugin_is_one_line(platform, plugin, tmp_path):
+    done = run_script("shardmap_dp", tmp_path, *TINY, env={**os.environ, "JAX_PLATFORMS": platform})
+    assert done.returncode == 1 and done.stdout == ""
+    error = done.stderr.strip().splitlines()
+    assert len(error) == 1 and f'install it with pip install "{plugin}=={jax.__version__}"' in error[0], error
+
+
+def test_xla_flags_device_count_is_respected(tmp_path):
+    """XLA_FLAGS' device count holds unless --cpu-devices is given, which then says it wins."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    done = run_script("shardmap_dp", tmp_path, *TINY, env=env)
+    assert done.returncode == 0 and done.stdout.startswith("4 cpu devices"), done.stdout[:200]
+    done = run_script("shardmap_dp", tmp_path, *TINY, "--cpu-devices", "2", env=env)
+    assert done.returncode == 0 and done.stdout.startswith("2 cpu devices"), done.stdout[:200]
+    assert done.stderr.strip() == "--cpu-devices 2 overrides XLA_FLAGS' --xla_force_host_platform_device_count=4"
+
+
+def test_emulated_devices_may_be_late_to_a_collective(tmp_path):
+    """XLA's CPU collectives abort a run when one emulated device reaches a collective 40 s after
+    the others (a busy or sleeping machine; README: Troubleshooting). The scripts allow a day,
+    keeping any value the user set in XLA_FLAGS."""
+    (tmp_path / "show_flags.py").write_text(
+        "import os, common\ncommon.setup(common.Config(steps=1, batch_size=8))\nprint(os.environ['XLA_FLAGS'])\n"
+    )
+    copy_alone("shardmap_dp", tmp_path)
+    for user, expected in [("", 86400), ("--xla_cpu_collective_call_terminate_timeout_seconds=5", 5)]:
+        env = {**os.environ, "XLA_FLAGS": user}
+        done = subprocess.run([sys.executable, "show_flags.py"], cwd=tmp_path, env=env, capture_output=True, text=True)
+        flags = done.stdout.split()
+        assert done.returncode == 0 and f"--xla_cpu_collective_call_terminate_timeout_seconds={expected}" in flags
+        assert len([f for f in flags if "terminate_timeout" in f]) == 1
+
+
+def test_profile_writes_a_trace(tmp_path):
+    done = run_script("shardmap_dp", tmp_path, *TINY, "--steps", "6", "--profile", "runs/profile")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "profile of steps 2-4 written to runs/profile" in done.stdout
+    traces = list((tmp_path / "runs" / "profile").rglob("*.xplane.pb"))
+    assert len(traces) == 1 and traces[0].stat().st_size > 0

@@ -2,6 +2,7 @@
 theory promises: bytes of state per device, collectives per step and their bytes, compile
 time; --show-sharding and the benchmark that tabulates it all."""
 
+import functools
 import json
 import os
 import subprocess
@@ -9,10 +10,14 @@ import sys
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.sharding import NamedSharding
 
 import common
+import context_parallel
 import fsdp
+import pipeline
 from tests.harness import DEVICES, ROOT, SMALL, TINY, as_flags, copy_alone, run, run_script, run_uncached, state_bytes
 
 REPORT_KEYS = {
@@ -42,7 +47,7 @@ def test_report_measures_the_real_arrays(tmp_path):
         ), name
     config = common.Config(**SMALL)
     n, d, t = summary["param_count"], config.d_model, config.seq_len
-    tables = (common.VOCAB_SIZE + t) * d
+    tables = (common.BYTES + t) * d
     assert summary["flops_per_token"] == 6 * (n - tables) + 12 * config.layers * t * d
 
 
@@ -96,6 +101,8 @@ def test_scanned_layers_cost_the_same_communication(name):
         )
         model_parts = 4 if name == "logical_fsdp_tp" else 1
         assert scanned.pop("all-gather") == unscanned.pop("all-gather") + kernels // model_parts
+    # The clipping norm's partial sums: one number per gradient leaf, and scanning stacks leaves.
+    assert abs(scanned.pop("all-reduce") - unscanned.pop("all-reduce")) < 1024
     assert scanned == unscanned
 
 
@@ -206,3 +213,66 @@ def test_benchmark_writes_the_table_and_the_picture(tmp_path):
     rows = [line for line in (tmp_path / "results.md").read_text().splitlines() if line.startswith("| ")]
     assert [row.split(" | ")[0] for row in rows] == ["| strategy", "| shardmap_dp", "| fsdp"]
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_1f1b_keeps_fewer_activations_than_gpipe():
+    """pipeline.py on data=2,stage=4 with 4, 8 and 16 micro-batches of 2 rows (one compiled
+    step each): GPipe keeps every micro-batch's input until the backwards begin, so its
+    temporaries grow with the micro-batches; 1F1B keeps at most 4 (the stages): about flat."""
+    temp = {}
+    for schedule in pipeline.SCHEDULES:
+        for microbatches in (4, 8, 16):
+            batch = 2 * microbatches * 2  # 2 data shards, micro-batches of 2 rows
+            flags = dict(mesh="data=2,stage=4", layers=4, microbatches=microbatches, batch_size=batch, seq_len=64)
+            summary = run_uncached(f"pipeline_{schedule}", steps=1, eval_every=0, **flags).summary
+            temp[schedule, microbatches] = summary["compiled_temp_bytes"]
+    print("\npipeline temporaries (bytes):", {f"{s} {m}": b for (s, m), b in temp.items()})
+    activation = 2 * 64 * SMALL["d_model"] * 4  # one micro-batch's input to a stage: 2 rows, float32
+    gpipe_growth, onef1b_growth = temp["gpipe", 16] - temp["gpipe", 4], temp["1f1b", 16] - temp["1f1b", 4]
+    print(f"from 4 to 16 micro-batches: GPipe +{gpipe_growth / activation:.2f}, 1F1B +{onef1b_growth / activation:.2f}")
+    assert temp["gpipe", 4] < temp["gpipe", 8] < temp["gpipe", 16]
+    assert abs(gpipe_growth / activation - 12) <= 1.2  # 12 more micro-batches held, each one input
+    assert onef1b_growth < 0.5 * activation
+
+
+def test_context_parallel_activation_memory():
+    """The compiled step's temporaries per device: context=8 at 8 x the sequence length stays
+    within 1.5 x of one device at the length (each device holds 1/8 of every sequence, and ring
+    attention never holds a whole sequence's scores), while data parallelism at 8 x the length,
+    whole sequences on every device, needs far more than 8 x."""
+
+    def one_device(config):  # the plain single-device step, as test_equivalence.py's reference
+        state = jax.eval_shape(functools.partial(common.create_state, config, common.make_model(config)))
+
+        def step(state, batch):
+            grads, metrics = common.accumulate_gradients(state, batch, jax.random.fold_in(state.rng, state.step), 1)
+            return state.apply_gradients(grads=grads), metrics
+
+        batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32)
+        return jax.jit(step).lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+
+    def context_eight(config):
+        mesh = context_parallel.make_mesh(config)
+        step = jax.jit(
+            jax.shard_map(
+                functools.partial(context_parallel.train_step, microbatches=1),
+                mesh=mesh,
+                in_specs=(context_parallel.STATE_SPEC, context_parallel.BATCH_SPEC),
+                out_specs=(context_parallel.STATE_SPEC, context_parallel.P()),
+            )
+        )
+        sharding = NamedSharding(mesh, context_parallel.BATCH_SPEC)
+        batch = jax.ShapeDtypeStruct((config.batch_size, 2, config.seq_len), jnp.int32, sharding=sharding)
+        shapes = context_parallel.init_state(config, mesh, shapes_only=True)
+        return step.lower(shapes, batch).compile().memory_analysis().temp_size_in_bytes
+
+    model = dict(layers=2, d_model=64, heads=4, batch_size=2, dropout=0.0, cpu_devices=DEVICES)
+    for length in (256, 512):
+        one = one_device(common.Config(**model, seq_len=length))
+        data_parallel = one_device(common.Config(**model, seq_len=8 * length))
+        ring = context_eight(context_parallel.Config(**model, seq_len=8 * length, mesh="data=1,context=8"))
+        print(
+            f"\nlength {length}: one device {one / 1e6:.2f} MB; at {8 * length}: context=8 {ring / 1e6:.2f} MB "
+            f"({ring / one:.2f} x), data parallel {data_parallel / 1e6:.1f} MB ({data_parallel / one:.1f} x)"
+        )
+        assert ring <= 1.5 * one and data_parallel >= 8 * one

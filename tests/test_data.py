@@ -3,6 +3,7 @@ the synthetic source's loss floor; real text through TFDS, on a dataset the test
 (nothing can be downloaded in CI)."""
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -119,14 +120,34 @@ def test_command_line_reads_a_prepared_tfds_dataset(text_data_dir, tmp_path):
         (["--dataset", "tiny_text", "--text-key", "body"], "--text-key body is not a text feature of tiny_text"),
         # CI reaches no internet, so preparing tiny_shakespeare in an empty folder must fail.
         (["--dataset", "tiny_shakespeare", "--data-dir", "EMPTY"], "--dataset tiny_shakespeare is not prepared"),
+        # A manual folder without the file the builder downloads: said before anything is tried.
+        (
+            ["--dataset", "tiny_shakespeare", "--data-dir", "EMPTY", "--tfds-manual-dir", "EMPTY"],
+            "--tfds-manual-dir EMPTY holds no input.txt: tiny_shakespeare is prepared from https://",
+        ),
     ],
-    ids=["unknown", "no text key", "cannot prepare"],
+    ids=["unknown", "no text key", "cannot prepare", "empty manual folder"],
 )
 def test_bad_dataset_exits_2_with_one_line(flags, message, text_data_dir, tmp_path):
+    (tmp_path / "empty").mkdir()
     flags = [str(tmp_path / "empty") if f == "EMPTY" else f for f in flags]
+    message = message.replace("EMPTY", str(tmp_path / "empty"))
     data_dir = [] if "--data-dir" in flags else ["--data-dir", text_data_dir]
     done = run_script("shardmap_dp", tmp_path, *TINY, *flags, *data_dir)
     assert done.returncode == 2, done.stderr[-2000:]
     error_lines = [line for line in done.stderr.splitlines() if line.startswith("shardmap_dp.py: error:")]
     assert len(error_lines) == 1 and message in error_lines[0], done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "compiled" not in done.stdout
+    assert list((tmp_path / "empty").iterdir()) == []  # a failed download leaves nothing behind
+
+
+def test_preparing_without_tensorflow_says_what_to_install(tmp_path):
+    """requirements.txt leaves TensorFlow out: preparing a catalogue dataset, which needs it,
+    stops in one line saying what to install (here TensorFlow is hidden, as if not installed)."""
+    (tmp_path / "no_tensorflow").mkdir()
+    (tmp_path / "no_tensorflow" / "tensorflow.py").write_text("raise ImportError('No module named tensorflow')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "no_tensorflow")}
+    done = run_script("fsdp", tmp_path, *TINY, "--dataset", "tiny_shakespeare", "--data-dir", "tfds", env=env)
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    error = done.stderr.strip().splitlines()
+    assert len(error) == 1 and 'preparing it needs TensorFlow: pip install "tensorflow-cpu==' in error[0], error

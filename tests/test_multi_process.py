@@ -3,7 +3,10 @@ one dies or cannot be reached, the others stop in bounded time. (That 2 processe
 what 1 does is in test_equivalence.py; that they resume from a checkpoint, in
 test_checkpoints.py.)"""
 
+import json
+import os
 import re
+import signal
 import time
 
 import pytest
@@ -46,3 +49,70 @@ def test_unreachable_coordinator_fails_in_bounded_time(tmp_path):
     assert done.returncode == 1 and waited < 30
     assert f"cannot reach the coordinator at 127.0.0.1:{port} after 3s" in done.stderr.strip().splitlines()[-1]
     assert "Traceback" not in done.stderr and "compiled" not in done.stdout
+
+
+def stopped(procs, tmp_path, timeout=120):
+    """Each process's exit status and its output's non-empty lines, once all have stopped."""
+    codes = [proc.wait(timeout=timeout) for proc in procs]
+    logs = [(tmp_path / f"process{i}.log").read_text() for i in range(len(procs))]
+    return codes, [[line for line in log.splitlines() if line.strip() and "[Gloo]" not in line] for log in logs]
+
+
+@pytest.mark.parametrize(
+    "flag, values", [("seed", (0, 1)), ("layers", (1, 2)), ("steps", (3, 4))], ids=["seed", "layers", "steps"]
+)
+def test_processes_with_different_flags_stop_naming_the_flag(flag, values, tmp_path):
+    """Every process compares its flags with the others' before compiling; a difference stops
+    all of them with one line naming the flag and its values (before: a different --seed trained
+    on silently, --layers aborted both after a minute, --steps aborted at shutdown)."""
+    extra = [[f"--{flag}={value}"] for value in values]
+    start = time.monotonic()
+    with cluster("shardmap_dp", tmp_path, TINY, heartbeat=20, extra=extra) as procs:
+        codes, lines = stopped(procs, tmp_path)
+    print(f"\n--{flag} {values[0]} vs {values[1]}: exits {codes} after {time.monotonic() - start:.1f}s: {lines[0]}")
+    assert codes == [2, 2] and all(len(out) == 1 for out in lines), lines
+    assert f"--{flag} differs between processes: {values[0]} on process 0, {values[1]} on process 1" in lines[0][0]
+    assert f"--{flag} differs between processes: {values[1]} on process 1, {values[0]} on process 0" in lines[1][0]
+
+
+def test_a_bad_flag_on_one_process_stops_both(tmp_path):
+    """The process with the bad flag says which (exit 2); the other says that process stopped."""
+    with cluster("shardmap_dp", tmp_path, TINY, heartbeat=20, extra=([], ["--batch-size=9"])) as procs:
+        codes, lines = stopped(procs, tmp_path)
+    assert codes == [2, 2] and all(len(out) == 1 for out in lines), lines
+    assert "error: --batch-size must be divisible by" in lines[1][0]
+    assert "error: process 1 stopped: --batch-size must be divisible by" in lines[0][0]
+
+
+def test_a_process_that_never_joins_is_named(tmp_path):
+    """Process 0 alone: one line naming process 1, after --heartbeat-timeout seconds (before: a
+    C++ abort saying that another task died)."""
+    start = time.monotonic()
+    with cluster("shardmap_dp", tmp_path, TINY, heartbeat=5, started=(0,)) as procs:
+        codes, lines = stopped(procs, tmp_path)
+    waited = time.monotonic() - start
+    print(f"\nprocess 0 alone: exit {codes[0]} after {waited:.1f}s: {lines[0]}")
+    assert codes == [1] and len(lines[0]) == 1 and waited < 30
+    assert "error: process 1 did not join within 5s" in lines[0][0]
+
+
+def test_ctrl_c_on_one_process_stops_both_at_the_same_step(tmp_path):
+    """Ctrl-C (SIGINT) on one process: through JAX's preemption service every process stops
+    after the same step, saves it and exits 0 (before: both aborted, 134, after the heartbeat
+    timeout, with nothing saved since the last checkpoint)."""
+    metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
+    flags = as_flags({**SMALL, "steps": 100_000, "log_every": 1, "metrics_file": metrics, "checkpoint_dir": ckpt,
+                      "checkpoint_every": 100_000})  # fmt: skip
+    with cluster("shardmap_dp", tmp_path, flags, heartbeat=20) as procs:
+        deadline = time.monotonic() + 300
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # training runs
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs)
+            time.sleep(0.5)
+        procs[1].send_signal(signal.SIGINT)
+        codes, lines = stopped(procs, tmp_path)
+    saved = [int(line.split()[-1]) for out in lines for line in out if line.startswith("stopped: saved the checkpoint")]
+    print(f"\nCtrl-C on process 1: exits {codes}, stopped at {saved}")
+    assert codes == [0, 0] and "Traceback" not in "".join(map(str, lines))
+    assert len(saved) == 1 and [int(n) for n in os.listdir(ckpt) if n.isdigit()] == saved  # process 0 reports
+    assert any("Ctrl-C: the run will finish its step" in line for line in lines[1])
+    assert json.loads(metrics.read_text().splitlines()[-1])["summary"]["steps"] == saved[0]

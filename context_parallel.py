@@ -1,0 +1,252 @@
+"""Context parallelism in jax.shard_map: every sequence split along its length, ring attention.
+
+What is where: the global batch is split by rows over the mesh axis 'data' and every sequence
+along its length over the mesh axis 'context' (--mesh data=2,context=4): each device holds
+two of the 2N equal pieces of its rows' sequences, piece c and its mirror 2N-1-c, so that under
+the causal mask every device has the same attention work (with contiguous pieces, the device
+holding the end of the sequence would do N times the work of the first). The sequence is laid
+out that way on the host (device_batch). The parameters and optimizer state are replicated, a
+full copy on every device, as in data parallelism.
+A step: everything but attention works position by position, so each device runs it on its own
+pieces, with their global positions (positions). Attention is ring attention: each device keeps
+its queries while the keys and values travel around the 'context' ring, N - 1 hops of
+lax.ppermute; at each hop a device attends to the block it holds, combining the blocks with an
+online softmax (a running maximum and sum) and skipping the piece pairs the causal mask hides
+entirely. The backward pass is JAX's autodiff of the ring: the transpose of each ppermute sends
+the keys' and values' gradients back around the ring, and each hop's attention is recomputed
+rather than stored (jax.checkpoint), so no device ever holds a whole sequence's scores. Each
+device computes the gradient of its pieces' loss, and one all-reduce averages the gradients.
+Collectives per step: per layer, N - 1 collective-permutes of a key and value block forward
+and N - 1 of their gradients backward; one all-reduce of the gradients over 'data' and
+'context', and tiny ones of the gradient norm and of the metrics.
+
+What changes from shardmap_dp.py: the batch is also split along the sequence, so the model
+gets each piece's positions and ring attention in place of attention (the model's `positions`
+and `attend`), and the gradients are averaged over 'context' too.
+
+Run:
+  python context_parallel.py             # a laptop: 8 emulated CPU devices, data=2,context=4
+  python context_parallel.py --mesh data=1,context=8 --seq-len 4096   # long sequences
+  python context_parallel.py --distributed   # every host of a TPU pod slice (README)
+
+Read before: shardmap_dp.py. Read next: pipeline.py, which splits the model instead.
+"""
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+
+import common
+
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(common.Config):
+    mesh: str = common.arg("auto", "mesh axis sizes, e.g. data=2,context=4; 'auto' gives that on 8 devices")
+
+    def mesh_axes(self):
+        n = jax.device_count()
+        context = max(c for c in (1, 2, 4) if n % c == 0 and c <= max(1, n // 2))
+        return common.mesh_shape(self.mesh, ("data", "context"), {"data": n // context, "context": context})
+
+    def batch_shards(self):
+        return self.mesh_axes()["data"]
+
+    def validate(self):
+        super().validate()
+        pieces = 2 * self.mesh_axes()["context"]
+        common.require(
+            self.seq_len % pieces == 0,
+            "seq_len",
+            f"must split into 2 x context = {pieces} equal pieces, e.g. --seq-len {pieces * max(1, self.seq_len // pieces)}",
+        )
+
+
+def make_mesh(config):
+    shape = config.mesh_axes()
+    # Auto axes: the compiler may place whatever the specs below leave unsaid.
+    return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+STATE_SPEC = P()  # replicated: every device holds the whole TrainState
+BATCH_SPEC = P("data", None, "context")  # [rows, (inputs, labels), length]: rows over 'data', length over 'context'
+
+
+def pieces_of(device, devices):
+    """The two pieces of every sequence that a device along 'context' holds: c and 2N-1-c."""
+    return device, 2 * devices - 1 - device
+
+
+def balanced_order(length, devices):
+    """The order of a sequence's positions on the devices: device 0's two pieces, then device
+    1's, ...; a contiguous split of it over 'context' gives each device its two pieces."""
+    pieces = np.arange(length).reshape(2 * devices, -1)
+    return np.concatenate([pieces[list(pieces_of(d, devices))].ravel() for d in range(devices)])
+
+
+def positions(length):
+    """The global positions of this device's tokens, `length` of them (its two pieces)."""
+    piece = length // 2
+    first, second = pieces_of(lax.axis_index("context"), lax.axis_size("context"))
+    return jnp.concatenate([first * piece + jnp.arange(piece), second * piece + jnp.arange(piece)])
+
+
+def attention_work(devices, balanced=True):
+    """How many (query piece, key piece) blocks each device attends to over a step's hops: the
+    pairs the causal mask does not hide entirely. Balanced: 2N + 1 on every device; with
+    contiguous pieces, device c would do 4c + 3."""
+    held = [pieces_of(d, devices) if balanced else (2 * d, 2 * d + 1) for d in range(devices)]
+    return [sum(k <= q for q in held[d] for source in range(devices) for k in held[source]) for d in range(devices)]
+
+
+def ring_attention(q, k, v):
+    """Causal attention of this device's queries to the whole sequence, the keys and values
+    travelling around the 'context' ring. q, k, v: [batch, local length, heads, head_dim], the
+    local length being this device's two pieces."""
+    devices, device = lax.axis_size("context"), lax.axis_index("context")
+    piece = q.shape[1] // 2
+    q_pieces = pieces_of(device, devices)
+    scale = q.shape[-1] ** -0.5
+    # Per query position: the running maximum of its scores, the running sum of their
+    # exponentials (both relative to that maximum) and the running weighted sum of values.
+    # (Made "like" q, so that they vary over the devices as q does: check_vma tracks that.)
+    running_max = jnp.full_like(jnp.swapaxes(q[..., 0], 1, 2), -jnp.inf, jnp.float32)
+    running_sum = jnp.zeros_like(running_max)
+    out = jnp.zeros_like(q, jnp.float32)
+
+    @jax.checkpoint  # the backward pass recomputes each hop's scores rather than keeping them
+    def attend_block(running, k, v, hop):
+        """Fold the key/value block that came `hop` hops around the ring into `running`."""
+        k_pieces = pieces_of((device - hop) % devices, devices)
+        for i, q_piece in enumerate(q_pieces):
+            for j, k_piece in enumerate(k_pieces):
+                rows, cols = slice(i * piece, (i + 1) * piece), slice(j * piece, (j + 1) * piece)
+
+                def update(running, rows=rows, cols=cols, q_piece=q_piece, k_piece=k_piece):
+                    running_max, running_sum, out = running
+                    scores = jnp.einsum("bqhd,bkhd->bhqk", q[:, rows], k[:, cols]).astype(jnp.float32) * scale
+                    # Within a piece paired with itself, a query sees only the keys up to its own.
+                    visible = (q_piece > k_piece) | (jnp.arange(piece)[:, None] >= jnp.arange(piece)[None, :])
+                    scores = jnp.where(visible, scores, -jnp.inf)
+                    new_max = jnp.maximum(running_max[..., rows], scores.max(-1))
+                    rescale = jnp.exp(running_max[..., rows] - new_max)
+                    weights = jnp.exp(scores - new_max[..., None])
+                    block_out = jnp.einsum("bhqk,bkhd->bqhd", weights, v[:, cols].astype(jnp.float32))
+                    return (
+                        running_max.at[..., rows].set(new_max),
+                        running_sum.at[..., rows].set(running_sum[..., rows] * rescale + weights.sum(-1)),
+                        out.at[:, rows].set(out[:, rows] * jnp.swapaxes(rescale, 1, 2)[..., None] + block_out),
+                    )
+
+                # A key piece after the query piece is hidden entirely: skip the block.
+                running = lax.cond(k_piece <= q_piece, update, lambda running: running, running)
+        return running
+
+    ring = [(d, (d + 1) % devices) for d in range(devices)]
+
+    def hop(carry, hop):
+        running, k, v = carry
+        running = attend_block(running, k, v, hop)
+        return (running, lax.ppermute(k, "context", ring), lax.ppermute(v, "context", ring)), None
+
+    (running, k, v), _ = lax.scan(hop, ((running_max, running_sum, out), k, v), jnp.arange(devices - 1))
+    running_max, running_sum, out = attend_block(running, k, v, devices - 1)  # the last block: no hop after it
+    return (out / jnp.swapaxes(running_sum, 1, 2)[..., None]).astype(q.dtype)
+
+
+def init_state(config, mesh, shapes_only=False):
+    create = functools.partial(common.create_state, config, make_model(config))
+    create = jax.jit(create, out_shardings=NamedSharding(mesh, STATE_SPEC))
+    # The state itself, or only its shapes and shardings (nothing allocated) to compile for.
+    return create.eval_shape() if shapes_only else create()
+
+
+def make_model(config):
+    return common.make_model(config, attend=ring_attention, positions=positions)
+
+
+def train_step(state, batch, microbatches):
+    """One device's share of a step: its full copy of the state, its pieces of its rows."""
+    # Every device must drop different units: fold the device's index into the step's key.
+    rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index(("data", "context")))
+    # Differentiate this device's copy (marked as varying over both axes), so the gradients are
+    # its own and averaging them is ours to write, as in shardmap_dp.py.
+    local = state.replace(params=lax.pcast(state.params, ("data", "context"), to="varying"))
+    grads, metrics = common.accumulate_gradients(local, batch, rng, microbatches)
+    grads = lax.pmean(grads, ("data", "context"))  # all-reduce: every copy now applies the same update
+    metrics = lax.psum(metrics, ("data", "context"))
+    # The optimizer clips by the global norm of `grads`: every device holds all of it now.
+    state = state.apply_gradients(grads=grads)
+    return state, {**metrics, "grad_norm": common.gradient_norm(state)}
+
+
+def eval_step(state, batch):
+    """Summed held-out losses of one device's pieces, added up over all devices."""
+    return lax.psum(common.eval_metrics(state, batch), ("data", "context"))
+
+
+def device_batch(batch, mesh):
+    # Each row of tokens becomes its inputs and labels, [rows, 2, length], with the positions
+    # in balanced order, so that splitting the length over 'context' gives each device its two
+    # pieces; then this process's rows become one global array.
+    order = balanced_order(batch.shape[1] - 1, mesh.shape["context"])
+    pairs = np.stack([batch[:, :-1][:, order], batch[:, 1:][:, order]], axis=1)
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, BATCH_SPEC), pairs)
+
+
+def main(config):
+    common.setup(config)
+    mesh = make_mesh(config)
+    dataset = common.load_dataset(config)
+    state_shapes = init_state(config, mesh, shapes_only=True)
+    step_fn = jax.jit(
+        jax.shard_map(
+            functools.partial(train_step, microbatches=config.microbatches),
+            mesh=mesh,
+            in_specs=(STATE_SPEC, BATCH_SPEC),
+            out_specs=(STATE_SPEC, P()),
+        ),
+        donate_argnums=0,
+    )
+    eval_fn = jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(STATE_SPEC, BATCH_SPEC), out_specs=P()))
+    # Compiled for the shapes of the state and of a batch, before either exists: a step too big
+    # for the devices stops here, with one line, before anything is allocated.
+    batch_shapes = jax.ShapeDtypeStruct(
+        (config.batch_size, 2, config.seq_len), np.int32, sharding=NamedSharding(mesh, BATCH_SPEC)
+    )
+    compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
+    state = init_state(config, mesh)
+    checkpoints = common.Checkpoints(config)
+    state, start = checkpoints.restore(state)
+    eval_data = [device_batch(b, mesh) for b in common.eval_batches(dataset, config)]
+    work = attention_work(mesh.shape["context"])
+    report = {**common.cost_report(config, state, compiled, compile_seconds), "attention_blocks_per_device": work}
+    layout = (
+        f"mesh data={mesh.shape['data']},context={mesh.shape['context']}, sequences in {2 * mesh.shape['context']} "
+        f"pieces, {work[0]} attention blocks per device, state replicated"
+    )
+    log = common.Logger(config, dataset, layout, report, state.params, start)
+    try:
+        for step in range(start, config.steps):
+            batch = device_batch(common.host_batch(dataset, config, step), mesh)
+            # The program compiled above, which the report describes.
+            state, metrics = compiled(state, batch)
+            log.log(step, metrics)
+            if log.eval_due(step):
+                log.eval(step, eval_fn, state, eval_data)
+            if checkpoints.save(step, state, log):  # Ctrl-C or SIGTERM: saved, stop
+                break
+    finally:
+        checkpoints.close()  # lets the saves still being written finish, whatever happened
+    summary = log.finish()
+    return common.Result(log.losses.values, log.losses.grad_norms, state, summary, compiled)
+
+
+if __name__ == "__main__":
+    main(common.parse_config(Config, __doc__))

@@ -1,0 +1,437 @@
+"""Pipeline parallelism in jax.shard_map: GPipe and 1F1B, with the schedule as data.
+
+What is where: the global batch is split by rows over the mesh axis 'data' (P('data')), each
+device taking an equal share. The blocks are cut into contiguous groups, one per device along
+the mesh axis 'stage' (--mesh data=2,stage=4): they are stacked along a leading layer axis, as
+--scan-layers stacks them, and that axis is split over 'stage' (P('stage')), so each device
+holds one stage's blocks and their Adam moments. The embedding runs on the first stage and the
+head on the last; both are small next to the blocks, so every device keeps a copy rather than
+the first and last stages holding more than the others.
+A step: each device cuts its rows into --microbatches micro-batches that flow through the
+stages. A schedule, a table made on the host (make_schedule; --show-schedule prints it), says
+at each tick which micro-batch each stage runs forward or backward: GPipe runs every forward,
+then every backward; 1F1B starts backwards as soon as the pipeline is full and keeps at most
+`stage` micro-batches in flight on a stage, whatever their number. After each tick every
+stage passes its output forward and its input gradient backward to its neighbours (ppermute).
+Between a micro-batch's forward and its backward a stage keeps only that micro-batch's input;
+the backward runs jax.vjp of the stage on it, recomputing the stage as --remat does.
+Collectives per step: two collective-permutes per tick between neighbouring stages (the
+activations forward, their gradients backward); an all-reduce over 'stage' of the embedding's
+and the head's gradients (only the first and last stage have them); an all-reduce over 'data'
+of all gradients, as in data parallelism; tiny ones of the gradient norm and of the metrics.
+
+What changes from shardmap_dp.py: the blocks are split over 'stage' instead of replicated, and
+the step is no longer one forward and one backward of the whole model: it is a schedule of
+per-stage forwards and backwards over micro-batches, with activations and gradients sent
+between stages, and each stage's gradient made by jax.vjp of its own part of the model.
+
+Run:
+  python pipeline.py                     # a laptop: 8 emulated CPU devices, data=2,stage=4
+  python pipeline.py --schedule gpipe --show-schedule   # print the ticks, then train
+  python pipeline.py --distributed       # every host of a TPU pod slice (README)
+
+Read before: shardmap_dp.py. Read next: context_parallel.py, which splits the sequence instead.
+"""
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+
+import common
+
+import flax.linen as nn
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(common.Config):
+    mesh: str = common.arg("auto", "mesh axis sizes, e.g. data=2,stage=4; 'auto' gives that on 8 devices")
+    schedule: str = common.arg("1f1b", "the order of the micro-batches' forwards and backwards", choices=SCHEDULES)
+    microbatches: int = common.arg(8, "micro-batches per step flowing through the pipeline (per data shard)")
+    show_schedule: bool = common.arg(False, "print the schedule, which stage runs which micro-batch at each tick")
+
+    def mesh_axes(self):
+        n = jax.device_count()
+        stage = max(s for s in (1, 2, 4) if n % s == 0 and self.layers % s == 0 and s <= max(1, n // 2))
+        return common.mesh_shape(self.mesh, ("data", "stage"), {"data": n // stage, "stage": stage})
+
+    def batch_shards(self):
+        return self.mesh_axes()["data"]
+
+    def validate(self):
+        super().validate()
+        stages = self.mesh_axes()["stage"]
+        common.require(
+            self.layers % stages == 0,
+            "layers",
+            f"{self.layers} must split evenly over stage={stages}, e.g. --layers {stages * max(1, self.layers // stages)}",
+        )
+        common.require(
+            self.schedule != "1f1b" or self.microbatches >= stages,
+            "microbatches",
+            f"must be at least the {stages} stages for 1F1B, e.g. --microbatches {2 * stages}",
+        )
+        common.require(
+            not self.scan_layers, "scan_layers", "is how the pipeline holds its blocks already: leave it out"
+        )
+        common.require(not self.remat, "remat", "is what each stage's backward does already: leave it out")
+
+
+def make_mesh(config):
+    shape = config.mesh_axes()
+    # Auto axes: the compiler may place whatever the specs below leave unsaid.
+    return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+BATCH_SPEC = P("data")  # rows split over 'data'
+IDLE, FORWARD, BACKWARD = 0, 1, 2
+
+
+def stage_order(kind, stages, microbatches, s):
+    """The order in which stage s runs its forwards (FORWARD, m) and backwards (BACKWARD, m).
+    GPipe: every forward, then every backward. 1F1B: stages - s - 1 forwards to fill the
+    pipeline, then one forward and one backward in turn, then the backwards left; so at most
+    stages - s micro-batches are between their forward and their backward on stage s."""
+    if kind == "gpipe":
+        return [(FORWARD, m) for m in range(microbatches)] + [(BACKWARD, m) for m in range(microbatches)]
+    warmup = min(stages - s - 1, microbatches)
+    order = [(FORWARD, m) for m in range(warmup)]
+    for m in range(microbatches):
+        order += [(FORWARD, m + warmup)] if m + warmup < microbatches else []
+        order += [(BACKWARD, m)]
+    return order
+
+
+def make_schedule(kind, stages, microbatches):
+    """The schedule as data: table[t, s] = (op, m, arriving forward, arriving backward): at tick
+    t stage s runs `op` (IDLE, FORWARD or BACKWARD) on micro-batch m, and at the end of the tick
+    receives the input of micro-batch `arriving forward` from stage s - 1 and the gradient of
+    micro-batch `arriving backward` from stage s + 1 (-1: none).
+
+    Each stage runs its operations in stage_order's order, each at the first tick its input is
+    there: a forward of m once the previous stage's forward of m has run (at an earlier tick: it
+    arrives at the end of that tick), a backward once the next stage's backward of m has run
+    (on the last stage, its own forward)."""
+    orders = [stage_order(kind, stages, microbatches, s) for s in range(stages)]
+    forward_at = np.full((stages, microbatches), 1 << 30)  # the tick of each forward, once run
+    backward_at = np.full((stages, microbatches), 1 << 30)
+    position, rows = [0] * stages, []
+    while any(position[s] < len(orders[s]) for s in range(stages)):
+        t, row = len(rows), []
+        for s in range(stages):
+            op, m = orders[s][position[s]] if position[s] < len(orders[s]) else (IDLE, -1)
+            if op == FORWARD:
+                ready = s == 0 or forward_at[s - 1, m] < t
+            else:
+                ready = op == BACKWARD and (forward_at[s, m] if s == stages - 1 else backward_at[s + 1, m]) < t
+            row.append((op, m) if ready else (IDLE, -1))
+        for s, (op, m) in enumerate(row):
+            if op != IDLE:
+                (forward_at if op == FORWARD else backward_at)[s, m] = t
+                position[s] += 1
+        rows.append(row)
+    table = np.full((len(rows), stages, 4), -1, np.int32)
+    for t, row in enumerate(rows):
+        for s, (op, m) in enumerate(row):
+            table[t, s, :2] = op, m
+            if op == FORWARD and s + 1 < stages:
+                table[t, s + 1, 2] = m
+            if op == BACKWARD and s > 0:
+                table[t, s - 1, 3] = m
+    return table
+
+
+def in_flight(table, column):
+    """The most micro-batches a stage ever holds between receiving one (the forward input:
+    column 2, or the backward gradient: 3) and its backward: how many buffer slots it needs."""
+    most = 1
+    for s in range(table.shape[1]):
+        held = set()
+        for t in range(table.shape[0]):
+            op, m, *arriving = table[t, s]
+            if op == BACKWARD:
+                held.discard(m)
+            if arriving[column - 2] >= 0:
+                held.add(arriving[column - 2])
+            most = max(most, len(held))
+    return most
+
+
+def show_schedule(table):
+    """One line per stage, one column per tick: F3 is micro-batch 3's forward, B3 its backward."""
+    cells = {IDLE: lambda m: " .", FORWARD: lambda m: f"F{m}", BACKWARD: lambda m: f"B{m}"}
+    idle = (table[:, :, 0] == IDLE).mean()
+    print(f"schedule: {table.shape[0]} ticks, {idle:.0%} of the stages' ticks idle (the bubble)")
+    for s in range(table.shape[1]):
+        print(f"stage {s}: " + " ".join(cells[op](m).rjust(3) for op, m in table[:, s, :2]))
+
+
+def stack_blocks(tree):
+    """block_0 ... block_{L-1} of a dict as one tree with a leading layer axis: 'blocks'."""
+    if not isinstance(tree, dict) or "block_0" not in tree:
+        return tree
+    layers = [tree[f"block_{i}"] for i in range(sum(k.startswith("block_") for k in tree))]
+    rest = {k: v for k, v in tree.items() if not k.startswith("block_")}
+    return {**rest, "blocks": jax.tree.map(lambda *x: jnp.stack(x), *layers)}
+
+
+def unstack_blocks(tree):
+    """The inverse of stack_blocks."""
+    if not isinstance(tree, dict) or "blocks" not in tree:
+        return tree
+    layers = jax.tree.leaves(tree["blocks"])[0].shape[0]
+    rest = {k: v for k, v in tree.items() if k != "blocks"}
+    return {**rest, **{f"block_{i}": jax.tree.map(lambda x, i=i: x[i], tree["blocks"]) for i in range(layers)}}
+
+
+def every_dict(fn, tree):
+    """fn applied to every dict of a tree of dicts and (named) tuples, such as the parameters
+    and the optimizer state (whose Adam moments are trees like the parameters)."""
+    if isinstance(tree, dict):
+        return fn({k: every_dict(fn, v) for k, v in tree.items()})
+    if isinstance(tree, tuple | list):
+        children = [every_dict(fn, v) for v in tree]
+        return type(tree)(*children) if hasattr(tree, "_fields") else type(tree)(children)
+    return tree
+
+
+def to_saved(state):
+    """The checkpoint layout: every block on its own, as a run without a pipeline names it."""
+    unstack = functools.partial(every_dict, unstack_blocks)
+    return jax.jit(lambda s: s.replace(params=unstack(s.params), opt_state=unstack(s.opt_state)))(state)
+
+
+def from_saved(saved, state):
+    """A restored state, its blocks stacked again and laid out like `state`."""
+    stack = functools.partial(every_dict, stack_blocks)
+    restack = jax.jit(
+        lambda s: s.replace(params=stack(s.params), opt_state=stack(s.opt_state)),
+        out_shardings=jax.tree.map(lambda x: x.sharding, state),
+    )
+    return restack(saved)
+
+
+def state_specs(tree):
+    """P('stage') on the stacked blocks' layer axis, each device holding one stage's blocks;
+    P() for the rest (embedding, head, LayerNorm of the head, counters)."""
+
+    def spec(path, x):
+        return P("stage") if "'blocks'" in jax.tree_util.keystr(path) else P()
+
+    return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+def global_norm(grads):
+    """The gradient's norm over the whole model, for clipping. Each stage holds only its own
+    blocks' gradients, so their sums of squares are added up over 'stage' (an all-reduce of one
+    number); the embedding's and head's gradients are whole on every device by then."""
+    blocks = optax.tree.norm(grads["blocks"], squared=True)
+    rest = optax.tree.norm({k: v for k, v in grads.items() if k != "blocks"}, squared=True)
+    return jnp.sqrt(lax.psum(blocks, "stage") + rest)
+
+
+def init_state(config, mesh, shapes_only=False):
+    def params_fn(boxed):
+        return stack_blocks(nn.unbox(boxed))
+
+    model = common.make_model(config)
+    create = functools.partial(common.create_state, config, model, params_fn, global_norm=global_norm)
+    # Each device computes only its own stage's blocks: the full model never exists on one device.
+    specs = state_specs(jax.eval_shape(create))
+    create = jax.jit(create, out_shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs))
+    # The state itself, or only its shapes and shardings (nothing allocated) to compile for.
+    return create.eval_shape() if shapes_only else create()
+
+
+def stage_forward(params, x, tokens, rng, config):
+    """One stage's part of the model on one micro-batch: the embedding on the first stage (in
+    place of the input `x`), this stage's blocks, and on the last stage the head and the summed
+    loss (0 elsewhere). Returns the stage's output activation and that loss."""
+    stage, stages = lax.axis_index("stage"), lax.axis_size("stage")
+    train = config.dropout > 0
+    rngs = {"dropout": rng} if train else None
+
+    def embed():
+        return common.Embed(config).apply({"params": params["embed"]}, tokens[:, :-1], not train, rngs=rngs)
+
+    x = lax.cond(stage == 0, embed, lambda: x)
+
+    def block(x, layer):
+        block_params, i = layer
+        block_rngs = {"dropout": jax.random.fold_in(rng, i)} if train else None
+        return common.Block(config).apply({"params": block_params}, x, not train, rngs=block_rngs)[0], None
+
+    layers = jax.tree.leaves(params["blocks"])[0].shape[0]
+    x, _ = lax.scan(block, x, (params["blocks"], stage * layers + jnp.arange(layers)))
+
+    def loss():
+        logits = common.Head(config).apply({"params": params["head"]}, x, not train, rngs=rngs)
+        return common.cross_entropy(logits, tokens[:, 1:]).sum()
+
+    return x, lax.cond(stage == stages - 1, loss, lambda: jnp.zeros((), jnp.float32))
+
+
+def pipeline_gradients(params, batch, rng, config, table):
+    """Run the schedule: every stage's gradient of the mean loss of this device's rows, and the
+    summed loss (on the last stage). Forwards and backwards of the micro-batches at each tick as
+    `table` says, the outputs passed to the neighbouring stages after each tick."""
+    stage, stages = lax.axis_index("stage"), lax.axis_size("stage")
+    microbatches = config.microbatches
+    # Micro-batch i takes rows i, i + m, i + 2m, ... (as common.accumulate_gradients does).
+    pieces = batch.reshape(-1, microbatches, batch.shape[-1]).swapaxes(0, 1)
+    slots, grad_slots = in_flight(table, 2), in_flight(table, 3)
+    activation = jnp.zeros((pieces.shape[1], config.seq_len, config.d_model), config.dtype)
+    to_next = [(s, s + 1) for s in range(stages - 1)]
+    to_previous = [(s + 1, s) for s in range(stages - 1)]
+    loss_scale = 1.0 / (pieces.shape[0] * pieces.shape[1] * config.seq_len)  # the mean over this device's tokens
+
+    def tick(carry, row):
+        inputs, gradients_in, grads, loss_sum = carry
+        op, m, arriving_forward, arriving_backward = row[stage]
+        tokens, key = pieces[m], jax.random.fold_in(rng, m)
+
+        def forward():
+            y, loss = stage_forward(params, inputs[m % slots], tokens, key, config)
+            return y, loss
+
+        def backward():
+            _, vjp = jax.vjp(lambda p, x: stage_forward(p, x, tokens, key, config), params, inputs[m % slots])
+            grad_params, grad_input = vjp((gradients_in[m % grad_slots], jnp.float32(loss_scale)))
+            return grad_params, grad_input
+
+        def no_forward():
+            return jnp.zeros_like(activation), jnp.zeros((), jnp.float32)
+
+        def no_backward():
+            return jax.tree.map(jnp.zeros_like, params), jnp.zeros_like(activation)
+
+        output, loss = lax.cond(op == FORWARD, forward, no_forward)
+        grad_params, grad_input = lax.cond(op == BACKWARD, backward, no_backward)
+        # After each tick: activations to the next stage, their gradients to the previous one.
+        received = lax.ppermute(output, "stage", to_next)
+        received_gradient = lax.ppermute(grad_input, "stage", to_previous)
+        inputs = lax.cond(
+            arriving_forward >= 0, lambda: inputs.at[arriving_forward % slots].set(received), lambda: inputs
+        )
+        gradients_in = lax.cond(
+            arriving_backward >= 0,
+            lambda: gradients_in.at[arriving_backward % grad_slots].set(received_gradient),
+            lambda: gradients_in,
+        )
+        grads = jax.tree.map(jnp.add, grads, grad_params)
+        return (inputs, gradients_in, grads, loss_sum + loss), None
+
+    carry = (
+        jnp.zeros((slots, *activation.shape), activation.dtype),
+        jnp.zeros((grad_slots, *activation.shape), activation.dtype),
+        jax.tree.map(jnp.zeros_like, params),
+        jnp.zeros((), jnp.float32),
+    )
+    (_, _, grads, loss_sum), _ = lax.scan(tick, carry, jnp.asarray(table))
+    return grads, {"loss_sum": loss_sum, "tokens": jnp.int32(pieces.size - pieces.shape[0] * pieces.shape[1])}
+
+
+def train_step(state, batch, config, table):
+    """One device's share of a step: its stage's blocks, its rows of the batch."""
+    # Every data shard must drop different units: fold its index into the step's key.
+    rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index("data"))
+    grads, metrics = pipeline_gradients(state.params, batch, rng, config, table)
+    # The embedding's gradient comes from the first stage, the head's from the last: sum them
+    # over 'stage' (the others hold zeros), so every copy gets the same update.
+    grads = {k: v if k == "blocks" else lax.psum(v, "stage") for k, v in grads.items()}
+    grads = lax.pmean(grads, "data")  # all-reduce: the mean over the data shards
+    # The loss is summed on the last stage only; each stage counted the same tokens.
+    metrics = {
+        "loss_sum": lax.psum(metrics["loss_sum"], ("data", "stage")),
+        "tokens": lax.psum(metrics["tokens"], "data"),
+    }
+    # The optimizer clips by global_norm(grads): each stage holds only its blocks' gradients.
+    state = state.apply_gradients(grads=grads)
+    return state, {**metrics, "grad_norm": common.gradient_norm(state)}
+
+
+def eval_step(state, batch, config):
+    """Summed held-out losses of one device's rows: the stages one after another, each device
+    running the whole model with the blocks of every stage gathered (no schedule, no backward)."""
+    params = {**state.params, "blocks": lax.all_gather(state.params["blocks"], "stage", tiled=True)}
+    return lax.psum(common.eval_metrics(state.replace(params=unstack_blocks(params)), batch), "data")
+
+
+def device_batch(batch, mesh):
+    # This process's rows become one global array, split over 'data'.
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, BATCH_SPEC), batch)
+
+
+def main(config):
+    common.setup(config)
+    mesh = make_mesh(config)
+    dataset = common.load_dataset(config)
+    table = make_schedule(config.schedule, mesh.shape["stage"], config.microbatches)
+    if config.show_schedule and common.is_main_process():
+        show_schedule(table)
+    state_shapes = init_state(config, mesh, shapes_only=True)
+    state_spec = state_specs(state_shapes)  # P('stage') for the blocks, P() otherwise
+    step_fn = jax.jit(
+        jax.shard_map(
+            functools.partial(train_step, config=config, table=table),
+            mesh=mesh,
+            in_specs=(state_spec, BATCH_SPEC),
+            out_specs=(state_spec, P()),
+            # The stages run different code (lax.cond on the stage's index) and each takes its
+            # gradient with jax.vjp, so every sum over devices is written by hand (train_step)
+            # and there is no replication for check_vma to track.
+            check_vma=False,
+        ),
+        donate_argnums=0,
+    )
+    eval_fn = jax.jit(
+        jax.shard_map(
+            functools.partial(eval_step, config=config),
+            mesh=mesh,
+            in_specs=(state_spec, BATCH_SPEC),
+            out_specs=P(),
+            check_vma=False,
+        )
+    )
+    # Compiled for the shapes of the state and of a batch, before either exists: a step too big
+    # for the devices stops here, with one line, before anything is allocated.
+    batch_shapes = common.batch_shape(config, NamedSharding(mesh, BATCH_SPEC))
+    compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
+    state = init_state(config, mesh)
+    checkpoints = common.Checkpoints(config, to_saved, from_saved)  # saved block by block, unstacked
+    state, start = checkpoints.restore(state)
+    eval_data = [device_batch(b, mesh) for b in common.eval_batches(dataset, config)]
+    bubble = float((table[:, :, 0] == IDLE).mean())
+    report = {**common.cost_report(config, state, compiled, compile_seconds), "bubble": bubble}
+    layout = (
+        f"mesh data={mesh.shape['data']},stage={mesh.shape['stage']}, {config.schedule} over "
+        f"{config.microbatches} micro-batches, {table.shape[0]} ticks, bubble {bubble:.0%}"
+    )
+    log = common.Logger(config, dataset, layout, report, state.params, start)
+    try:
+        for step in range(start, config.steps):
+            batch = device_batch(common.host_batch(dataset, config, step), mesh)
+            # The program compiled above, which the report describes.
+            state, metrics = compiled(state, batch)
+            log.log(step, metrics)
+            if log.eval_due(step):
+                log.eval(step, eval_fn, state, eval_data)
+            if checkpoints.save(step, state, log):  # Ctrl-C or SIGTERM: saved, stop
+                break
+    finally:
+        checkpoints.close()  # lets the saves still being written finish, whatever happened
+    summary = log.finish()
+    return common.Result(log.losses.values, log.losses.grad_norms, state, summary, compiled)
+
+
+if __name__ == "__main__":
+    main(common.parse_config(Config, __doc__))
