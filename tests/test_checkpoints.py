@@ -354,15 +354,16 @@ def test_resume_on_fewer_devices(script, tmp_path):
     assert [r["step"] for r in records] == list(range(11, 21)) and diff <= RTOL
 
 
-def test_resume_from_two_processes_on_one(tmp_path):
-    """fsdp.py as 2 processes x 4 devices writes a checkpoint; 1 process x 8 devices resumes it."""
+@pytest.mark.parametrize("script", ["fsdp", "pjit_tp"])
+def test_resume_from_two_processes_on_one(script, tmp_path):
+    """2 processes x 4 devices write a checkpoint; 1 process x 8 devices resumes it."""
     ckpt = tmp_path / "ckpt"
     flags = as_flags({**SMALL, "steps": 10, "log_every": 1, "checkpoint_dir": ckpt, "checkpoint_every": 5})
-    with cluster("fsdp", tmp_path, flags + [f"--metrics-file={tmp_path / 'first.jsonl'}"]) as procs:
+    with cluster(script, tmp_path, flags + [f"--metrics-file={tmp_path / 'first.jsonl'}"]) as procs:
         wait_ok(procs, tmp_path)
     shutil.rmtree(ckpt / "10")
-    resumed = run_uncached("fsdp", steps=10, checkpoint_dir=str(ckpt), checkpoint_every=5)
+    resumed = run_uncached(script, steps=10, checkpoint_dir=str(ckpt), checkpoint_every=5)
     first = [json.loads(line)["loss"] for line in (tmp_path / "first.jsonl").read_text().splitlines()[:-1]]
     diff = max(abs(a - b) / b for a, b in zip(resumed.losses, first[5:], strict=True))
-    print(f"\nfsdp: 2 processes x 4 -> 1 x 8, steps 6-10: loss {diff:.1e}")
+    print(f"\n{script}: 2 processes x 4 -> 1 x 8, steps 6-10: loss {diff:.1e}")
     assert len(resumed.losses) == 5 and diff <= RTOL
