@@ -42,7 +42,13 @@ def test_resume_is_exact_in_the_same_script(name, tmp_path):
 
 @pytest.mark.parametrize(
     "writer, reader",
-    [("fsdp", "logical_fsdp_tp"), ("pmap_dp", "fsdp"), ("fsdp", "pipeline_1f1b"), ("pipeline_1f1b", "logical_fsdp_tp")],
+    [
+        ("fsdp", "logical_fsdp_tp"),
+        ("pmap_dp", "fsdp"),
+        ("fsdp", "pipeline_1f1b"),
+        ("pipeline_1f1b", "logical_fsdp_tp"),
+        ("context_parallel", "pjit_tp"),
+    ],
 )
 def test_another_script_resumes(writer, reader, tmp_path):
     interrupted(writer, tmp_path)
