@@ -191,19 +191,20 @@ def test_unwritable_checkpoint_dir_exits_2(tmp_path):
     assert done.returncode == 2 and "--checkpoint-dir a_file/ckpt cannot be written" in done.stderr, done.stderr
 
 
+def two_processes(script, tmp_path, metrics_file):
+    """2 processes x 4 devices train SMALL for 10 steps with a checkpoint every 5 in
+    tmp_path/ckpt; their metrics records, less the summary."""
+    flags = as_flags({**SMALL, "steps": 10, "log_every": 1, "checkpoint_dir": tmp_path / "ckpt", "checkpoint_every": 5})
+    with cluster(script, tmp_path, flags + [f"--metrics-file={tmp_path / metrics_file}"]) as procs:
+        wait_ok(procs, tmp_path)
+    return [json.loads(line) for line in (tmp_path / metrics_file).read_text().splitlines()][:-1]
+
+
 @pytest.mark.parametrize("script", ["pmap_dp", "fsdp"])  # one copy per device; each process its shards
 def test_two_processes_resume(script, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    flags = as_flags({**SMALL, "steps": 10, "log_every": 1, "checkpoint_dir": ckpt, "checkpoint_every": 5})
-    with cluster(script, tmp_path, flags + [f"--metrics-file={tmp_path / 'first.jsonl'}"]) as procs:
-        wait_ok(procs, tmp_path)
-    shutil.rmtree(ckpt / "10")
-    with cluster(script, tmp_path, flags + [f"--metrics-file={tmp_path / 'resumed.jsonl'}"]) as procs:
-        wait_ok(procs, tmp_path)
-    first, resumed = (
-        [json.loads(line) for line in (tmp_path / name).read_text().splitlines()][:-1]
-        for name in ("first.jsonl", "resumed.jsonl")
-    )
+    first = two_processes(script, tmp_path, "first.jsonl")
+    shutil.rmtree(tmp_path / "ckpt" / "10")
+    resumed = two_processes(script, tmp_path, "resumed.jsonl")
     assert [r["step"] for r in resumed] == list(range(6, 11))
     assert [r["loss"] for r in resumed] == [r["loss"] for r in first[5:]]  # bitwise
 
@@ -363,13 +364,9 @@ def test_resume_on_fewer_devices(script, tmp_path):
 @pytest.mark.parametrize("script", ["fsdp", "pjit_tp"])
 def test_resume_from_two_processes_on_one(script, tmp_path):
     """2 processes x 4 devices write a checkpoint; 1 process x 8 devices resumes it."""
-    ckpt = tmp_path / "ckpt"
-    flags = as_flags({**SMALL, "steps": 10, "log_every": 1, "checkpoint_dir": ckpt, "checkpoint_every": 5})
-    with cluster(script, tmp_path, flags + [f"--metrics-file={tmp_path / 'first.jsonl'}"]) as procs:
-        wait_ok(procs, tmp_path)
-    shutil.rmtree(ckpt / "10")
-    resumed = run_uncached(script, steps=10, checkpoint_dir=str(ckpt), checkpoint_every=5)
-    first = [json.loads(line)["loss"] for line in (tmp_path / "first.jsonl").read_text().splitlines()[:-1]]
-    diff = max(abs(a - b) / b for a, b in zip(resumed.losses, first[5:], strict=True))
+    first = two_processes(script, tmp_path, "first.jsonl")
+    shutil.rmtree(tmp_path / "ckpt" / "10")
+    resumed = run_uncached(script, steps=10, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=5)
+    diff = max(abs(a - b["loss"]) / b["loss"] for a, b in zip(resumed.losses, first[5:], strict=True))
     print(f"\n{script}: 2 processes x 4 -> 1 x 8, steps 6-10: loss {diff:.1e}")
     assert len(resumed.losses) == 5 and diff <= RTOL
