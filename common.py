@@ -500,6 +500,9 @@ def clip_by_global_norm(max_norm: float, global_norm: Callable) -> optax.Gradien
     return optax.GradientTransformation(lambda params: ClipState(jnp.zeros((), jnp.float32)), update)
 
 
+ADAM = {"b1": 0.9, "b2": 0.95, "eps": 1e-8}  # AdamW's moment decays and the epsilon of its denominator
+
+
 # Cached, one optimizer per config: the optimizer is part of the TrainState's tree structure,
 # and shardings worked out on an abstract state must fit the real state.
 @functools.cache
@@ -515,7 +518,7 @@ def make_optimizer(config: Config, global_norm: Callable = optax.tree.norm):
     )
     return optax.chain(
         clip_by_global_norm(config.clip_norm, global_norm),
-        optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=config.weight_decay, mask=decay_mask),
+        optax.adamw(schedule, **ADAM, weight_decay=config.weight_decay, mask=decay_mask),
     )
 
 
@@ -804,15 +807,26 @@ def _start_devices(config: Config):
     try:
         jax.devices()
     except Exception as error:  # e.g. JAX_PLATFORMS=cuda with no CUDA plugin installed
-        platforms = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "the default"
-        plugins = {"cuda": "jax[cuda13]", "gpu": "jax[cuda13]", "tpu": "jax[tpu]", "rocm": "jax[rocm]"}
-        wanted = [plugins[p] for p in platforms.split(",") if p in plugins]
-        install = f'pip install "{wanted[0]}=={jax.__version__}"' if wanted else "the JAX plugin for your accelerator"
-        reason = " ".join(str(error).split()).split(" (set JAX_PLATFORMS")[0] or f"no {platforms} plugin was found"
-        raise SystemExit(
-            f"error: JAX cannot start the {platforms} backend ({reason}); install it with {install} "
-            "(README: Running on CPU, GPU and TPU), or unset JAX_PLATFORMS to use the devices present"
-        ) from None
+        raise SystemExit(f"error: {_backend_problem(error)}") from None
+
+
+def _backend_problem(error: Exception) -> str:
+    """One line saying why JAX could not start its devices, and what to do."""
+    reason = " ".join(str(error).split()).split(" (set JAX_PLATFORMS")[0] or type(error).__name__
+    platforms = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or ""
+    plugins = {"cuda": "jax[cuda13]", "gpu": "jax[cuda13]", "tpu": "jax[tpu]", "rocm": "jax[rocm]"}
+    wanted = [plugins[p] for p in platforms.split(",") if p in plugins]
+    if wanted:  # an accelerator was asked for, and its plugin is missing or cannot start
+        return (
+            f'JAX cannot start the {platforms} backend ({reason}); install it with pip install "{wanted[0]}=='
+            f'{jax.__version__}" (README: Running on CPU, GPU and TPU), or unset JAX_PLATFORMS to use the devices present'
+        )
+    if jax.distributed.is_initialized():  # gloo, between CPU processes, looks up this host's name
+        return (
+            f"JAX cannot start its devices ({reason}); with several processes each one must resolve its own host "
+            f"name ({socket.gethostname()}: check /etc/hosts or DNS) and reach the others"
+        )
+    return f"JAX cannot start its devices ({reason})"
 
 
 def prepare_output_folders(config: Config):
@@ -897,29 +911,24 @@ def _start_distributed(config: Config):
 
 
 def _compare_with_other_processes(config: Config, problem: str | None) -> str | None:
-    """Every process publishes its flags (all but --process-id), or the problem it found with
+    """Every process shares its flags (all but --process-id), or the problem it found with
     them, and reads the others'. Returns what stops this process: its own problem, another
     process's, or the first flag that differs. Every process reaches the same verdict, so all
-    of them stop together, cleanly, before anything is compiled."""
-    from jax._src import distributed  # the runtime's key-value store; public JAX has no wrapper
-
-    client, me = distributed.global_state.client, jax.process_index()
+    of them stop together, cleanly, before the train step is compiled."""
+    me = jax.process_index()
+    counts = [sum(d.process_index == p for d in jax.devices()) for p in range(jax.process_count())]
+    if len(set(counts)) > 1:  # every process sees every process's devices, so all say this
+        return (
+            f"the processes have {', '.join(map(str, counts))} devices: every process needs as many, e.g. "
+            f"--cpu-devices {min(counts)} on each (on GPU and TPU hosts, as many accelerators)"
+        )
     flags = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "process_id"}
-    client.key_value_set(f"jax-parallelism/flags/{me}", json.dumps({"problem": problem, "flags": flags}))
-    for other in range(jax.process_count()):
+    reports = _share_with_other_processes({"problem": problem, "flags": flags}, config.heartbeat_timeout)
+    if problem:
+        return problem  # this process stops for its own reason; the others learn it from its report
+    for other, theirs in enumerate(reports):
         if other == me:
             continue
-        try:
-            theirs = json.loads(
-                client.blocking_key_value_get(f"jax-parallelism/flags/{other}", config.heartbeat_timeout * 1000)
-            )
-        except Exception:
-            return (
-                problem
-                or f"process {other} did not report its flags within {config.heartbeat_timeout}s: see its output"
-            )
-        if problem:
-            continue  # this process stops for its own reason; the others learn it from its report
         if theirs["problem"]:
             return f"process {other} stopped: {theirs['problem']}"
         for name, value in flags.items():
@@ -929,7 +938,33 @@ def _compare_with_other_processes(config: Config, problem: str | None) -> str | 
                     f"{flag} differs between processes: {value} on process {me}, {theirs['flags'].get(name)} on "
                     f"process {other}; start every process with the same flags but --process-id"
                 )
-    return problem
+    return None
+
+
+def _share_with_other_processes(report: dict, timeout: float) -> list:
+    """Every process's `report` (JSON), in process order: gathered as bytes over the devices
+    (JAX has no public wrapper of its runtime's key-value store). A process that does not take
+    part within `timeout` seconds stops this one with one line instead of a wait without end."""
+    done = threading.Event()
+
+    def watchdog():
+        if not done.wait(timeout):
+            print(
+                f"error: not every process reached the check of the flags within {timeout}s: see the other "
+                "processes' output",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(1)
+
+    threading.Thread(target=watchdog, daemon=True).start()
+    mine = np.frombuffer(json.dumps(report).encode(), np.uint8)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(mine.size)))
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[: mine.size] = mine
+    everyone = np.asarray(multihost_utils.process_allgather(padded))
+    done.set()
+    return [json.loads(row[:size].tobytes()) for row, size in zip(everyone, sizes, strict=True)]
 
 
 def _wait_for_coordinator(host: str, port: int, timeout: float):
@@ -1664,7 +1699,11 @@ class _StepThroughJit:
         self.step_fn, self.compiled = step_fn, compiled
 
     def __call__(self, *args):
-        return self.step_fn(*args)
+        # Inside the context, not only by the global flag: JAX 0.12's fast path of a function
+        # already compiled skips the check (measured: the run ended at our own NaN stop), while
+        # the context is part of what a compiled call is looked up by.
+        with jax.debug_nans(True):
+            return self.step_fn(*args)
 
     def __getattr__(self, name):
         return getattr(self.compiled, name)

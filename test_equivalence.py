@@ -18,7 +18,9 @@ import typing
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import common
@@ -36,6 +38,27 @@ class Reference(typing.NamedTuple):
     losses: list  # every step's mean loss
     grad_norms: list  # every step's global gradient norm, before clipping
     state: common.TrainState  # the final state
+    conditioned: dict  # per parameter element: were its Adam steps insensitive to rounding?
+
+
+# AdamW moves an element by m / (sqrt(v) + eps), m and v being running means of its gradient
+# and squared gradient. A strategy sums a gradient in another order than one device, so each
+# element of it differs by a rounding difference d (measured: at most 6e-8, typically 4e-10,
+# on gradients of typically 1e-3), and the step by about d / (sqrt(v) + eps). For almost every
+# element that is the gradient's relative difference, about 1e-6. An element whose only
+# gradients were tiny (a token seen once, where its gradient happened to be near eps = 1e-8)
+# has sqrt(v) near eps, and there d is a percent-sized part of it: measured with
+# --vocab-size 4096, the 521 elements whose sqrt(v) fell below 1e-7 differ by up to 1.3e-4,
+# those between 1e-7 and 1e-6 by at most 3.3e-6, the rest by at most 6.0e-6 (elements of
+# about 0.02). How much of it shows depends on the CPU's rounding (AVX-512 or not), not on the
+# strategy. So final parameters are compared on the elements whose sqrt(v) stayed at or above
+# CONDITIONED (100 eps) at every step that gave them a gradient; the rest, which the
+# reference alone decides, are counted, and must stay a small share of the model.
+CONDITIONED = 100 * common.ADAM["eps"]
+# Measured: 0.59% of the elements at the default vocabulary (mostly query and key weights, whose
+# gradients are near zero in the first steps, while attention is still uniform), 0.82% with
+# --vocab-size 4096.
+ILL_CONDITIONED_SHARE = 0.01
 
 
 @functools.cache
@@ -46,19 +69,24 @@ def reference(**overrides):
     state = jax.jit(functools.partial(common.create_state, config, common.GPT(config)))()
 
     @jax.jit
-    def train_step(state, batch):
+    def train_step(state, batch, conditioned):
         grads, metrics = common.accumulate_gradients(
             state, batch, jax.random.fold_in(state.rng, state.step), config.microbatches
         )
-        return state.apply_gradients(grads=grads), metrics
+        state = state.apply_gradients(grads=grads)
+        adam = state.opt_state[1][0]  # after the clipping's state: optax.scale_by_adam's
+        sqrt_v = jax.tree.map(lambda v: jnp.sqrt(optax.tree.bias_correction(v, common.ADAM["b2"], adam.count)), adam.nu)
+        conditioned = jax.tree.map(lambda c, g, s: c & ((g == 0) | (s >= CONDITIONED)), conditioned, grads, sqrt_v)
+        return state, metrics, conditioned
 
     losses, grad_norms = [], []
+    conditioned = jax.tree.map(lambda p: jnp.ones(p.shape, bool), state.params)
     for step in range(config.steps):
-        state, metrics = train_step(state, dataset.batch(step, 0, config.batch_size))
+        state, metrics, conditioned = train_step(state, dataset.batch(step, 0, config.batch_size), conditioned)
         losses.append(float(metrics["loss_sum"]) / float(metrics["tokens"]))
         grad_norms.append(float(common.gradient_norm(state)))
     assert len(jax.tree.leaves(state.params)[0].devices()) == 1
-    return Reference(losses, grad_norms, state)
+    return Reference(losses, grad_norms, state, jax.tree.map(np.asarray, conditioned))
 
 
 def global_params(name, state):
@@ -82,18 +110,21 @@ def relative(mine, ref):
 def compare(name, result, ref):
     """Per-step losses and gradient norms, and final parameters, against the reference, all
     relative: the difference over the reference's value, and for each parameter
-    ||mine - ref|| / ||ref||."""
+    ||mine - ref|| / ||ref|| over its elements whose Adam steps were well conditioned (see
+    CONDITIONED)."""
     loss_diff, norm_diff = relative(result.losses, ref.losses), relative(result.grad_norms, ref.grad_norms)
     mine, theirs = global_params(name, result.state), global_params("reference", ref.state)
     assert jax.tree.structure(mine) == jax.tree.structure(theirs)
-    pairs = list(zip(jax.tree.leaves(mine), jax.tree.leaves(theirs), strict=True))
-    param_diff = max(np.linalg.norm(a - b) / np.linalg.norm(b) for a, b in pairs)
-    abs_diff = max(np.abs(a - b).max() for a, b in pairs)
+    triples = list(zip(jax.tree.leaves(mine), jax.tree.leaves(theirs), jax.tree.leaves(ref.conditioned), strict=True))
+    param_diff = max(np.linalg.norm((a - b)[keep]) / np.linalg.norm(b[keep]) for a, b, keep in triples if keep.any())
+    abs_diff = max(np.abs(a - b).max() for a, b, _ in triples)
+    left_out = sum((~keep).sum() for *_, keep in triples) / sum(keep.size for *_, keep in triples)
     print(
         f"\n{name}: loss {loss_diff:.1e}, gradient norm {norm_diff:.1e}, parameters {param_diff:.1e} "
-        f"(largest |difference| {abs_diff:.1e})"
+        f"(largest |difference| {abs_diff:.1e}; {left_out:.2%} of elements ill-conditioned, left out)"
     )
     assert loss_diff <= RTOL and norm_diff <= RTOL and param_diff <= RTOL
+    assert left_out <= ILL_CONDITIONED_SHARE
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
@@ -111,7 +142,8 @@ def test_microbatches_match(name):
 @pytest.mark.parametrize("name", ["fsdp", "pjit_tp", "logical_fsdp_tp"])  # the scripts that handle scanning
 def test_scanned_layers_match(name):
     result = run(name, scan_layers=True)
-    compare(f"{name} --scan-layers", result, reference()._replace(state=reference(scan_layers=True).state))
+    scanned = reference(scan_layers=True)
+    compare(f"{name} --scan-layers", result, reference()._replace(state=scanned.state, conditioned=scanned.conditioned))
 
 
 def test_remat_matches():

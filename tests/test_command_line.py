@@ -194,6 +194,16 @@ def test_a_missing_accelerator_plugin_is_one_line(platform, plugin, tmp_path):
     assert len(error) == 1 and f'install it with pip install "{plugin}=={jax.__version__}"' in error[0], error
 
 
+def test_a_backend_problem_without_an_accelerator_asks_for_no_plugin(monkeypatch):
+    """When no accelerator was asked for (a chroot without /etc/hosts made gloo's host-name
+    lookup fail), the line gives JAX's reason and points at the host name, not at a plugin."""
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
+    line = common._backend_problem(RuntimeError("Gloo: getaddrinfo failed: Name or service not known"))
+    assert line.startswith("JAX cannot start its devices (Gloo: getaddrinfo failed") and "the the" not in line
+    assert "resolve its own host name" in line and "plugin" not in line and "pip install" not in line
+
+
 def test_xla_flags_device_count_is_respected(tmp_path):
     """XLA_FLAGS' device count holds unless --cpu-devices is given, which then says it wins."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}

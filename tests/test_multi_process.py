@@ -59,7 +59,9 @@ def stopped(procs, tmp_path, timeout=120):
 
 
 @pytest.mark.parametrize(
-    "flag, values", [("seed", (0, 1)), ("layers", (1, 2)), ("steps", (3, 4))], ids=["seed", "layers", "steps"]
+    "flag, values",
+    [("seed", (0, 1)), ("layers", (1, 2)), ("steps", (3, 4)), ("cpu-devices", (4, 2))],
+    ids=["seed", "layers", "steps", "cpu-devices"],
 )
 def test_processes_with_different_flags_stop_naming_the_flag(flag, values, tmp_path):
     """Every process compares its flags with the others' before compiling; a difference stops
@@ -71,6 +73,9 @@ def test_processes_with_different_flags_stop_naming_the_flag(flag, values, tmp_p
         codes, lines = stopped(procs, tmp_path)
     print(f"\n--{flag} {values[0]} vs {values[1]}: exits {codes} after {time.monotonic() - start:.1f}s: {lines[0]}")
     assert codes == [2, 2] and all(len(out) == 1 for out in lines), lines
+    if flag == "cpu-devices":  # found from the devices themselves, before the flags are gathered over them
+        assert all("the processes have 4, 2 devices: every process needs as many" in out[0] for out in lines)
+        return
     assert f"--{flag} differs between processes: {values[0]} on process 0, {values[1]} on process 1" in lines[0][0]
     assert f"--{flag} differs between processes: {values[1]} on process 1, {values[0]} on process 0" in lines[1][0]
 
