@@ -37,6 +37,7 @@ from flax.training import train_state
 from jax.experimental import multihost_utils
 
 BYTES = 256  # the vocabulary of byte-level text
+MAX_VOCAB = 2**20  # larger ones take minutes to set up, and gigabytes, before anything is checked
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,6 +95,9 @@ class Config:
     distributed: bool = arg(False, "start JAX's distributed runtime and let it find the cluster (TPU pod, SLURM)")
     heartbeat_timeout: int = arg(60, "several processes: seconds of silence before a process counts as dead")
     debug_nans: bool = arg(False, "find the operation that first makes a NaN (JAX re-runs it op by op; slow)")
+    stall_timeout: int = arg(
+        600, "stop, with one line, when no step finishes for this many seconds (a stuck collective); 0: wait for ever"
+    )
 
     def batch_shards(self) -> int:
         """How many ways the global batch is split; scripts with a mesh override this."""
@@ -400,6 +404,13 @@ class TextData:
             split: tfds.data_source(config.dataset, split=name, data_dir=config.data_dir, download=False)
             for split, name in self.splits.items()
         }
+        for split, source in self.sources.items():  # padding alone teaches nothing: refuse it
+            require(
+                any(len(self.text(split, record)) for record in range(len(source))),
+                "dataset",
+                f"{config.dataset} has no text in '{self.key}' of its '{self.splits[split]}' split: every record is "
+                f"empty; give a dataset with text, or its text feature with --text-key",
+            )
         self.describe_text = f"TFDS {builder.info.full_name} '{self.key}' as bytes, held out: '{eval_split}'"
 
     def describe(self) -> str:
@@ -629,16 +640,28 @@ def check_flags(config: Config):
     def example(name):  # the default is always a valid value
         return f"e.g. --{name.replace('_', '-')} {getattr(Config, name)}"
 
+    for field in dataclasses.fields(config):
+        value = getattr(config, field.name)
+        if isinstance(value, float):  # the run computes in float32, where 1e39 is already infinite
+            require(
+                math.isfinite(value) and abs(value) <= np.finfo(np.float32).max,
+                field.name,
+                f"must be a finite float32 number (at most 3.4e38), {example(field.name)}",
+            )
     positive = (
         "steps", "batch_size", "seq_len", "layers", "d_model", "heads", "microbatches", "log_every",
         "eval_batches", "checkpoint_every", "keep", "lr",
     )  # fmt: skip
     for name in positive:
         require(getattr(config, name) > 0, name, f"must be positive, {example(name)}")
-    for name in ("warmup_steps", "seed", "eval_every", "weight_decay", "clip_norm"):
+    for name in ("warmup_steps", "seed", "eval_every", "weight_decay", "clip_norm", "stall_timeout"):
         require(getattr(config, name) >= 0, name, f"must be zero or more, {example(name)}")
     require(0 <= config.dropout < 1, "dropout", f"must be in [0, 1), {example('dropout')}")
-    require(config.vocab_size >= 8, "vocab_size", f"must be 8 or more, {example('vocab_size')}")
+    require(
+        8 <= config.vocab_size <= MAX_VOCAB,
+        "vocab_size",
+        f"must be from 8 to {MAX_VOCAB:,} (GPT-2's is 50304, the largest in use about 256,000), {example('vocab_size')}",
+    )
     require(
         config.dataset == "synthetic" or config.vocab_size == BYTES,
         "vocab_size",
@@ -667,29 +690,28 @@ def check_flags(config: Config):
         "metrics_file",
         f"{config.metrics_file} is a folder; give a file in it, e.g. --metrics-file {config.metrics_file}/metrics.jsonl",
     )
+    require(  # a device or a pipe would be replaced by a regular file when a resumed run rewrites it
+        not (config.metrics_file and os.path.exists(config.metrics_file) and not os.path.isfile(config.metrics_file)),
+        "metrics_file",
+        f"{config.metrics_file} is not a regular file; give a file's path, e.g. --metrics-file runs/metrics.jsonl",
+    )
 
 
-def mesh_shape(text: str, axes: tuple, auto: dict, optional: tuple = ()) -> dict:
+def mesh_shape(text: str, axes: tuple, auto: dict) -> dict:
     """--mesh 'data=2,model=4' -> {'data': 2, 'model': 4}, in the order of `axes` (the mesh's,
-    outer first). 'auto' gives `auto`; an axis in `optional` may be left out, as size 1."""
+    outer first). An axis left out has size 1; 'auto' gives `auto`."""
     n = jax.device_count()
     auto = {axis: auto.get(axis, 1) for axis in axes}
-    example = "e.g. --mesh " + ",".join(
-        f"{axis}={size}" for axis, size in auto.items() if axis not in optional or size > 1
-    )
+    example = "e.g. --mesh " + ",".join(f"{axis}={size}" for axis, size in auto.items() if size > 1 or axis == "data")
     if text == "auto":
         return auto
     try:
-        shape = {name: int(size) for name, size in (item.split("=") for item in text.split(","))}
+        pairs = [(name.strip(), int(size)) for name, size in (item.split("=") for item in text.split(","))]
     except ValueError:
         raise ConfigError(f"--mesh {text} is not axis=size pairs, {example}") from None
-    required = [axis for axis in axes if axis not in optional]
-    may = f" (and may name {' and '.join(optional)})" if optional else ""
-    require(
-        set(required) <= set(shape) <= set(axes),
-        "mesh",
-        f"{text} must name the axes {' and '.join(required)}{may}, {example}",
-    )
+    shape = dict(pairs)
+    require(len(shape) == len(pairs), "mesh", f"{text} names an axis twice, {example}")
+    require(set(shape) <= set(axes), "mesh", f"{text} may name only the axes {' and '.join(axes)}, {example}")
     require(min(shape.values()) > 0, "mesh", f"{text} has an axis of size < 1, {example}")
     require(
         math.prod(shape.values()) == n, "mesh", f"{text} has {math.prod(shape.values())} devices, not {n}; {example}"
@@ -711,7 +733,10 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
-    pass  # the script's docstring as written, then every flag with its default
+    """The script's docstring as written, then every flag with its default, said once."""
+
+    def _get_help_string(self, action):
+        return action.help if "(default" in (action.help or "") else super()._get_help_string(action)
 
 
 def parse_config(config_class=Config, doc: str | None = None, argv: list | None = None) -> Config:
@@ -742,6 +767,9 @@ def setup(config: Config):
     before anything is compiled. main() calls it first, before touching any device. With
     several processes, every process checks its flags and compares them with the others', and
     all of them stop if one of them cannot go on."""
+    _survive_a_closed_stdout()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _stop_while_starting)  # until Checkpoints takes Ctrl-C over
     try:
         _start_devices(config)
     except ConfigError as error:
@@ -758,6 +786,45 @@ def setup(config: Config):
         problem = _compare_with_other_processes(config, problem)
     if problem:
         exit_bad_input(problem)
+
+
+def _stop_while_starting(signum, frame):
+    print("Ctrl-C: stopped while starting, before any step; nothing was trained or saved", file=sys.stderr, flush=True)
+    raise SystemExit(130)
+
+
+class _StdoutOfAPipe:
+    """sys.stdout that outlives its reader: `python fsdp.py | head -n 2` closes the pipe after
+    two lines, and the next print would raise BrokenPipeError and end the run. Output that can
+    no longer be read is dropped instead; the run goes on, and its metrics file and checkpoints
+    are written as before."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text):
+        try:
+            return self.stream.write(text)
+        except BrokenPipeError:
+            self._drop_the_rest()
+            return len(text)
+
+    def flush(self):
+        try:
+            self.stream.flush()
+        except BrokenPipeError:
+            self._drop_the_rest()
+
+    def _drop_the_rest(self):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())  # what is still buffered goes nowhere
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def _survive_a_closed_stdout():
+    if sys.stdout is sys.__stdout__ and sys.stdout is not None:  # a terminal, a file or a pipe; not a test's capture
+        sys.stdout = _StdoutOfAPipe(sys.stdout)
 
 
 def exit_bad_input(message: str):
@@ -876,6 +943,8 @@ def _start_distributed(config: Config):
         address, processes, process_id = config.coordinator_address, config.num_processes, config.process_id
         if process_id:
             _wait_for_coordinator(host, int(port), config.heartbeat_timeout)
+        else:
+            _check_port_is_free(int(port))
     require(config.heartbeat_timeout > 0, "heartbeat_timeout", "must be positive, e.g. --heartbeat-timeout 60")
     # CPU processes exchange collectives through gloo (TCP); GPUs and TPUs use their own links.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -885,14 +954,20 @@ def _start_distributed(config: Config):
 
     def watchdog():
         if not joined.wait(config.heartbeat_timeout):
-            who = "process 1" if config.num_processes == 2 else "not every process"
-            print(
-                f"error: {who} did not join within {config.heartbeat_timeout}s: start every process with "
-                f"--coordinator-address {config.coordinator_address} --num-processes {config.num_processes} "
-                "and its own --process-id (see its output if it was started)",
-                file=sys.stderr,
-                flush=True,
-            )
+            if config.process_id:  # what answers at the address is not a coordinator that lets us in
+                problem = (
+                    f"could not join process 0 at {config.coordinator_address} within {config.heartbeat_timeout}s: "
+                    "check that process 0 runs with the same --coordinator-address and --num-processes, and that "
+                    "no other program listens on that port"
+                )
+            else:
+                who = "process 1" if config.num_processes == 2 else "not every process"
+                problem = (
+                    f"{who} did not join within {config.heartbeat_timeout}s: start every process with "
+                    f"--coordinator-address {config.coordinator_address} --num-processes {config.num_processes} "
+                    "and its own --process-id (see its output if it was started)"
+                )
+            print(f"error: {problem}", file=sys.stderr, flush=True)
             os._exit(1)
 
     threading.Thread(target=watchdog, daemon=True).start()
@@ -965,6 +1040,20 @@ def _share_with_other_processes(report: dict, timeout: float) -> list:
     everyone = np.asarray(multihost_utils.process_allgather(padded))
     done.set()
     return [json.loads(row[:size].tobytes()) for row, size in zip(everyone, sizes, strict=True)]
+
+
+def _check_port_is_free(port: int):
+    """Process 0 serves the coordinator on this port: if another program holds it, JAX fails
+    with a traceback (once, a segmentation fault); say so in one line instead."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(("", port))
+        except OSError as error:
+            raise ConfigError(
+                f"--coordinator-address: port {port} is in use on this host ({error.strerror}); stop what holds it or "
+                f"give every process another port, e.g. --coordinator-address {socket.gethostname()}:{port + 1}"
+            ) from None
 
 
 def _wait_for_coordinator(host: str, port: int, timeout: float):
@@ -1152,6 +1241,7 @@ class Checkpoints:
         # at which step to stop, so that all of them save the same one.
         handled = (signal.SIGINT, signal.SIGTERM) if jax.process_count() == 1 else (signal.SIGINT,)
         self.previous_handlers = {s: signal.signal(s, self._on_signal) for s in handled}
+        self._hear_signals_while_stuck()
         if not config.checkpoint_dir:
             return
         from orbax.checkpoint import v1 as ocp
@@ -1165,14 +1255,34 @@ class Checkpoints:
 
     def _on_signal(self, signum, frame):
         name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
-        if self.stop_signal is not None and signum == signal.SIGINT:
-            print(f"{name} again: stopping now; the last complete checkpoint is kept", file=sys.stderr, flush=True)
-            os._exit(130)
+        if self.stop_signal is not None:
+            return  # a second signal: the listening thread stops the run (_hear_signals_while_stuck)
         self.stop_signal = signum
         what = "save and stop" if self.checkpointer else "stop (no --checkpoint-dir: nothing is saved)"
-        print(f"{name}: the run will finish its step, {what}; Ctrl-C again stops at once", flush=True)
+        print(f"{name}: the run will finish its step, {what}; {name} again stops at once", flush=True)
         if jax.process_count() > 1:  # tell the other processes, through JAX's preemption service
             os.kill(os.getpid(), signal.SIGTERM)
+
+    def _hear_signals_while_stuck(self):
+        """Python runs a signal handler only when the main thread runs Python; a step stuck
+        inside XLA would keep it from ever running. The interpreter also writes each signal's
+        number to a 'wakeup' pipe the moment it arrives: a thread reading that pipe stops the
+        run at a second Ctrl-C or SIGTERM, wherever the main thread is."""
+        read, write = os.pipe()
+        os.set_blocking(write, False)
+        self.wakeup = (read, write, signal.set_wakeup_fd(write, warn_on_full_buffer=False))
+
+        def listen():
+            heard = 0
+            while chunk := os.read(read, 64):
+                for signum in chunk:
+                    heard += signum in self.previous_handlers
+                    if heard >= 2:
+                        name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+                        print(f"{name} again: stopping now; the last complete checkpoint is kept", file=sys.stderr, flush=True)
+                        os._exit(128 + signum)
+
+        threading.Thread(target=listen, daemon=True).start()
 
     def restore(self, state):
         """The state of the newest readable checkpoint, laid out like `state`, and its step (0
@@ -1186,6 +1296,8 @@ class Checkpoints:
         for step in sorted((c.step for c in self.checkpointer.checkpoints), reverse=True):
             try:
                 saved, error = self.checkpointer.load(step, target), None
+                if not all_finite(saved):  # saved by an older version, or damaged in a way Orbax cannot see
+                    saved, error = None, ValueError("it holds non-finite values")
             except Exception as exception:  # Orbax's errors have no common type
                 saved, error = None, exception
             if all_processes_agree(error is None):
@@ -1223,7 +1335,14 @@ class Checkpoints:
             stop = multihost_utils.reached_preemption_sync_point(done)
         self._check_last_save(wait=False)
         if self.checkpointer and (stop or done % self.config.checkpoint_every == 0 or done == self.config.steps):
-            log.losses.fetch()  # stops at a non-finite loss: such a state is never saved
+            log.losses.fetch()  # stops at a non-finite loss
+            if not all_finite(self.to_saved(state)):  # an update can overflow while the loss before it did not
+                saved = checkpoint_steps(self.config.checkpoint_dir)
+                kept = f"the newest checkpoint is of step {saved[0]}" if saved else "no checkpoint was saved"
+                raise SystemExit(
+                    f"stopped: the state after step {done} holds non-finite values (the loss before it was "
+                    f"{log.losses.values[-1]:.4f}); it was not saved, {kept}; try a lower --lr or --clip-norm"
+                )
             self._check_last_save(wait=True)
             flags = {name: getattr(self.config, name) for name in SHAPE_FLAGS + TRAJECTORY_FLAGS}
             try:  # the schedule is ours: force
@@ -1262,6 +1381,9 @@ class Checkpoints:
         """Wait for the saves still being written; give the folder and the signals back."""
         for signum, handler in self.previous_handlers.items():
             signal.signal(signum, handler)
+        read, write, previous_fd = self.wakeup
+        signal.set_wakeup_fd(previous_fd)
+        os.close(write)  # ends the listening thread (its read returns nothing); it closes nothing else
         if not self.checkpointer:
             return
         try:
@@ -1294,6 +1416,8 @@ def _checkpoint_problem(error: Exception) -> str:
         if key in text:
             detail = re.search(r'"([^"]*/[^"]*)"', text)  # the file, when the message names one
             return f"{meaning}{f' ({detail.group(1)})' if detail else ''}"
+    if text == "it holds non-finite values":
+        return text
     if isinstance(error, json.JSONDecodeError):
         return f"its metadata is not valid JSON ({error})"
     return f"{type(error).__name__}: {text[:160]}"
@@ -1324,6 +1448,17 @@ def _quiet_orbax():
 
     unraisable_hook.drops_orbax = True
     sys.unraisablehook = unraisable_hook
+
+
+@jax.jit
+def _all_finite(leaves):
+    return jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves]))
+
+
+def all_finite(tree) -> bool:
+    """Whether every floating-point value of a tree of (global) arrays is finite."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return not leaves or host_value(_all_finite(leaves)) == 1
 
 
 def all_processes_agree(ok: bool) -> bool:
@@ -1709,10 +1844,49 @@ class _StepThroughJit:
         return getattr(self.compiled, name)
 
 
+def wait_until_ready(tree):
+    """Wait for the device arrays of `tree` the way Python can be interrupted: polling, rather
+    than blocking inside XLA, where Ctrl-C and SIGTERM would not be heard until the wait ends
+    (never, if a step is stuck)."""
+    pause = 1e-5
+    for x in jax.tree.leaves(tree):
+        while isinstance(x, jax.Array) and not x.is_ready():
+            time.sleep(pause)
+            pause = min(2 * pause, 0.01)
+
+
 def host_value(x) -> float:
     """A metric as a Python number. One replica is enough: the metrics were summed over
     devices inside the step."""
+    wait_until_ready(x)
     return float(np.asarray(x.addressable_data(0)).ravel()[0])
+
+
+class Watchdog:
+    """Stops the run with one line when it makes no progress for `seconds`: a step whose
+    collective never completes (an emulated device's thread that never joins it, say) would
+    otherwise hang the run for good. The loop calls beat() whenever something finishes."""
+
+    def __init__(self, seconds: int):
+        self.seconds, self.last, self.what = seconds, time.monotonic(), "starting"
+        if seconds:
+            threading.Thread(target=self._watch, daemon=True).start()
+
+    def beat(self, what: str):
+        self.last, self.what = time.monotonic(), what
+
+    def _watch(self):
+        while True:
+            time.sleep(min(1.0, self.seconds / 4))
+            if time.monotonic() - self.last > self.seconds:
+                print(
+                    f"error: no progress for {self.seconds}s after {self.what}: a step is stuck (on emulated CPU "
+                    "devices, a collective that one device never joined); stopping, the checkpoints saved so far "
+                    "are kept (see --stall-timeout)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                os._exit(1)  # a stuck XLA thread would stop an orderly exit too
 
 
 def stop_if_not_finite(loss: float, step: int, losses: list):
@@ -1724,13 +1898,20 @@ def stop_if_not_finite(loss: float, step: int, losses: list):
 
 class StepLosses:
     """The mean training loss of every step run. A step's metrics stay on device until a log
-    line or a checkpoint needs them, so the host never waits on a step."""
+    line or a checkpoint needs them, so the host runs ahead of the devices, by IN_FLIGHT steps
+    at most: enough to keep them busy, and the host never blocks inside XLA's dispatch."""
 
-    def __init__(self):
-        self.values, self.grad_norms, self.pending = [], [], []
+    IN_FLIGHT = 2
+
+    def __init__(self, watchdog: Watchdog):
+        self.values, self.grad_norms, self.pending, self.watchdog = [], [], [], watchdog
 
     def add(self, step: int, metrics):
         self.pending.append((step, metrics))
+        if len(self.pending) > self.IN_FLIGHT:
+            earlier, done = self.pending[-self.IN_FLIGHT - 1]
+            wait_until_ready(done)
+            self.watchdog.beat(f"step {earlier + 1}")
 
     def fetch(self) -> list:
         """Every loss so far, as numbers; the run stops at a non-finite one."""
@@ -1739,6 +1920,7 @@ class StepLosses:
             stop_if_not_finite(loss, step, self.values)
             self.values.append(loss)
             self.grad_norms.append(host_value(metrics["grad_norm"]))
+            self.watchdog.beat(f"step {step + 1}")
         self.pending = []
         return self.values
 
@@ -1762,11 +1944,23 @@ def open_metrics_file(path: str, start: int):
                 if isinstance(record, dict) and record.get("step", start + 1) <= start:
                     kept.append(record)
     with open(f"{path}.new", "w") as new:
-        new.writelines(json.dumps(record) + "\n" for record in kept)
+        new.writelines(json.dumps(strict_json(record), allow_nan=False) + "\n" for record in kept)
         new.flush()
         os.fsync(new.fileno())
     os.replace(f"{path}.new", path)
     return open(path, "a"), kept
+
+
+def strict_json(value):
+    """A record as strict JSON takes it: a non-finite number (an evaluation that overflowed, say)
+    becomes null, which every JSON reader reads; NaN and Infinity are not JSON."""
+    if isinstance(value, dict):
+        return {key: strict_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [strict_json(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
 
 
 @dataclasses.dataclass
@@ -1785,7 +1979,8 @@ class Logger:
     def __init__(self, config: Config, dataset, layout: str, report: dict, params, start: int):
         self.config, self.dataset, self.report, self.start = config, dataset, report, start
         self.tokens_per_step = config.batch_size * config.seq_len
-        self.losses, self.step_seconds, self.eval_loss = StepLosses(), [], None
+        self.watchdog = Watchdog(config.stall_timeout)
+        self.losses, self.step_seconds, self.eval_loss = StepLosses(self.watchdog), [], None
         self.file, self.earlier = None, []  # earlier: the records of the steps before `start`
         if config.metrics_file and is_main_process():
             self.file, self.earlier = open_metrics_file(config.metrics_file, start)
@@ -1822,11 +2017,11 @@ class Logger:
         if not self.config.profile:
             return
         if self.profiling is None and step > self.start:
-            jax.block_until_ready(metrics)
+            wait_until_ready(metrics)
             jax.profiler.start_trace(self.config.profile)
             self.profiling = range(step, step + self.PROFILED_STEPS)
         if self.profiling and step == self.profiling[-1]:
-            jax.block_until_ready(metrics)  # the traced steps have run
+            wait_until_ready(metrics)  # the traced steps have run
             jax.profiler.stop_trace()
             self.print(f"profile of steps {self.profiling[0] + 1}-{step + 1} written to {self.config.profile}")
             self.profiling = range(0)
@@ -1866,16 +2061,26 @@ class Logger:
         for _, metrics in self.losses.pending:  # let the steps before it finish first
             host_value(metrics["loss_sum"])
         start = time.perf_counter()
+        self.watchdog.beat(f"step {step + 1}, evaluating")
         fetched = [(host_value(m["loss_sum"]), host_value(m["tokens"])) for m in (eval_fn(state, b) for b in batches)]
+        self.watchdog.beat(f"the evaluation at step {step + 1}")
         self.eval_loss = sum(loss for loss, _ in fetched) / sum(tokens for _, tokens in fetched)
         self.last_time += time.perf_counter() - start
         self.print(f"eval at step {step + 1}: held-out loss {self.eval_loss:.4f}")
         self.write({"step": step + 1, "eval_loss": self.eval_loss})
 
     def write(self, record):
-        if self.file:
-            self.file.write(json.dumps(record) + "\n")
+        if not self.file:
+            return
+        try:
+            self.file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
             self.file.flush()
+        except OSError as error:
+            self.file = None
+            raise SystemExit(
+                f"error: could not write --metrics-file {self.config.metrics_file} ({error.strerror or error}); "
+                "its records so far and the checkpoints are kept"
+            ) from None
 
     def finish(self) -> dict:
         """Print and write the end-of-run report; return it (the summary)."""

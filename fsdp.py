@@ -57,10 +57,11 @@ class Config(common.Config):
     )
 
     def mesh_axes(self):
-        return common.mesh_shape(self.mesh, ("replica", "data"), {"data": jax.device_count()}, optional=("replica",))
+        return common.mesh_shape(self.mesh, ("replica", "data"), {"data": jax.device_count()})
 
     def validate(self):
         super().validate()
+        self.mesh_axes()  # a bad --mesh is bad input, before any device work
         common.require(self.min_shard_size >= 0, "min_shard_size", "must be zero or more, e.g. --min-shard-size 0")
 
 

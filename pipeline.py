@@ -57,7 +57,9 @@ class Config(common.Config):
     mesh: str = common.arg("auto", "mesh axis sizes, e.g. data=2,stage=4; 'auto' gives that on 8 devices")
     schedule: str = common.arg("1f1b", "the order of the micro-batches' forwards and backwards", choices=SCHEDULES)
     microbatches: int = common.arg(8, "micro-batches per step flowing through the pipeline (per data shard)")
-    show_schedule: bool = common.arg(False, "print the schedule, which stage runs which micro-batch at each tick")
+    show_schedule: bool = common.arg(
+        False, "print the schedule (which stage runs which micro-batch at each tick) and exit, without training"
+    )
 
     def mesh_axes(self):
         n = jax.device_count()
@@ -166,10 +168,12 @@ def in_flight(table, column):
     return most
 
 
-def show_schedule(table):
+def show_schedule(kind, table):
     """One line per stage, one column per tick: F3 is micro-batch 3's forward, B3 its backward."""
     cells = {IDLE: lambda m: " .", FORWARD: lambda m: f"F{m}", BACKWARD: lambda m: f"B{m}"}
     idle = (table[:, :, 0] == IDLE).mean()
+    microbatches = len({m for op, m in table[:, 0, :2] if op == FORWARD})
+    print(f"--schedule {kind} on {table.shape[1]} stages, {microbatches} micro-batches:")
     print(f"schedule: {table.shape[0]} ticks, {idle:.0%} of the stages' ticks idle (the bubble)")
     for s in range(table.shape[1]):
         print(f"stage {s}: " + " ".join(cells[op](m).rjust(3) for op, m in table[:, s, :2]))
@@ -376,8 +380,10 @@ def main(config):
     mesh = make_mesh(config)
     dataset = common.load_dataset(config)
     table = make_schedule(config.schedule, mesh.shape["stage"], config.microbatches)
-    if config.show_schedule and common.is_main_process():
-        show_schedule(table)
+    if config.show_schedule:  # print it, train nothing
+        if common.is_main_process():
+            show_schedule(config.schedule, table)
+        return None
     state_shapes = init_state(config, mesh, shapes_only=True)
     state_spec = state_specs(state_shapes)  # P('stage') for the blocks, P() otherwise
     step_fn = jax.jit(

@@ -2,15 +2,16 @@
 
 Each script (and each logical_pjit.py rules preset) runs in its own process with the same
 flags and writes --metrics-file; this reads the logged losses and the end-of-run report and
-writes, into --out:
+prints the table; with --out DIR it also writes into DIR:
   results.md   one row per strategy: losses, state bytes per device, the compiled step's
                memory, collectives per step, compile time, speed
   results.png  the loss curves and the state bytes per device
-and puts the table into README.md between the benchmark markers (--readme). With --remat,
-each strategy is also compiled with --remat (one step) to show what rematerialisation saves.
+and with --write it writes those into benchmarks/ and puts the table into README.md between
+the benchmark markers: the tracked files change only when asked. With --remat, each strategy
+is also compiled with --remat (one step) to show what rematerialisation saves.
 
-  python benchmarks/benchmark.py                      # the default config, 200 steps (~8 min on CPU)
-  python benchmarks/benchmark.py -- --dtype bfloat16  # flags after -- go to every script
+  python benchmarks/benchmark.py --write              # the README's figures, 200 steps (~8 min on CPU)
+  python benchmarks/benchmark.py -- --dtype bfloat16  # flags after -- go to every script; prints only
 """
 
 import argparse
@@ -122,12 +123,12 @@ def plot(rows, path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent, help="folder for results.md and .png")
+    parser.add_argument("--out", type=Path, help="write results.md and results.png into this folder")
+    parser.add_argument("--write", action="store_true", help="write them into benchmarks/ and the table into README.md")
     parser.add_argument("--only", default=",".join(STRATEGIES), help="comma-separated strategies to run")
     parser.add_argument(
         "--remat", action=argparse.BooleanOptionalAction, default=True, help="also compile with --remat"
     )
-    parser.add_argument("--readme", action=argparse.BooleanOptionalAction, default=True, help="update README.md")
     parser.add_argument("flags", nargs="*", help="flags for every script, after --, e.g. -- --steps 50")
     args = parser.parse_args()
     unknown = set(args.only.split(",")) - set(STRATEGIES)
@@ -155,14 +156,18 @@ def main():
         "device (the larger of each op's input and output)."
     )
     markdown = f"{described}\n\n{table(rows)}\n\n![loss curves and state bytes per device](benchmarks/results.png)\n"
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "results.md").write_text(markdown)
-    plot(rows, args.out / "results.png")
-    if args.readme:
+    print(markdown)
+    out = Path(__file__).parent if args.write else args.out
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "results.md").write_text(markdown)
+        plot(rows, out / "results.png")
+        print(f"wrote {out / 'results.md'} and {out / 'results.png'}")
+    if args.write:
         readme = (ROOT / "README.md").read_text()
         start, end = readme.index(README_START) + len(README_START), readme.index(README_END)
         (ROOT / "README.md").write_text(readme[:start] + "\n" + markdown + readme[end:])
-    print(f"wrote {args.out / 'results.md'} and {args.out / 'results.png'}")
+        print("wrote the table into README.md")
 
 
 if __name__ == "__main__":

@@ -370,3 +370,92 @@ def test_resume_from_two_processes_on_one(script, tmp_path):
     diff = max(abs(a - b["loss"]) / b["loss"] for a, b in zip(resumed.losses, first[5:], strict=True))
     print(f"\n{script}: 2 processes x 4 -> 1 x 8, steps 6-10: loss {diff:.1e}")
     assert len(resumed.losses) == 5 and diff <= RTOL
+
+
+def test_a_non_finite_state_is_never_saved(tmp_path):
+    """A state holding a NaN after a step whose loss was finite (an update that overflowed;
+    before, `--lr 1e39`, now refused as bad input, saved 16 non-finite arrays at step 1 and a
+    resumed run started from them) stops the run with one line and is not saved."""
+    import jax
+    import jax.numpy as jnp
+
+    import common
+
+    config = common.Config(**{**SMALL, "checkpoint_dir": str(tmp_path), "checkpoint_every": 1})
+    state = run("shardmap_dp").state
+    broken = state.replace(params=jax.tree.map(lambda x: x.at[0].set(jnp.inf), state.params))
+    log = common.StepLosses(common.Watchdog(0))
+    log.values = [2.5]  # the finite loss of the step that made the state
+    checkpoints = common.Checkpoints(config)
+    try:
+        with pytest.raises(SystemExit) as stopped:
+            checkpoints.save(0, broken, type("Log", (), {"losses": log})())
+    finally:
+        checkpoints.close()
+    assert str(stopped.value.code).startswith("stopped: the state after step 1 holds non-finite values (the loss")
+    assert steps_in(tmp_path) == []
+
+
+def test_the_metrics_file_is_strict_json(tmp_path):
+    """A held-out loss that is not finite is written as null: NaN is not JSON."""
+    import common
+
+    logger = common.Logger.__new__(common.Logger)
+    logger.config = common.Config(metrics_file=str(tmp_path / "m.jsonl"))
+    logger.file = open(tmp_path / "m.jsonl", "w")
+    logger.write({"step": 3, "eval_loss": float("nan"), "summary": {"final_loss": float("inf")}})
+    logger.file.close()
+    assert json.loads((tmp_path / "m.jsonl").read_text()) == {"step": 3, "eval_loss": None, "summary": {"final_loss": None}}
+
+
+def test_a_full_disk_under_the_metrics_file_is_one_line(tmp_path, monkeypatch):
+    """A metrics file that can no longer be written stops the run with one line, as a failed
+    checkpoint save does (before: a 10-line OSError traceback); what it holds stays."""
+    import errno
+
+    import common
+
+    opened = common.open_metrics_file
+
+    class FullDisk:
+        def __init__(self, file):
+            self.file, self.lines = file, 0
+
+        def write(self, text):
+            self.lines += 1
+            if self.lines > 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.file.write(text)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    monkeypatch.setattr(common, "open_metrics_file", lambda path, start: (FullDisk(opened(path, start)[0]), []))
+    with pytest.raises(SystemExit) as stopped:
+        run_uncached("shardmap_dp", metrics_file=str(tmp_path / "m.jsonl"), log_every=1, eval_every=0)
+    assert str(stopped.value.code) == (
+        f"error: could not write --metrics-file {tmp_path / 'm.jsonl'} (No space left on device); "
+        "its records so far and the checkpoints are kept"
+    )
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 3
+
+
+def test_a_non_finite_checkpoint_is_set_aside(tmp_path, capsys):
+    """A checkpoint holding a NaN (written before this check existed, or damaged in a way the
+    file format cannot see) is never resumed from: it is moved aside like an unreadable one."""
+    import jax
+    import jax.numpy as jnp
+
+    import common
+
+    first = interrupted("shardmap_dp", tmp_path)  # checkpoints 10 and 20, then 20 forgotten
+    config = common.Config(**{**SMALL, "checkpoint_dir": str(tmp_path)})
+    checkpoints = common.Checkpoints(config)
+    broken = first.state.replace(params=jax.tree.map(lambda x: x.at[0].set(jnp.nan), first.state.params))
+    checkpoints.checkpointer.save_async(20, broken, force=True).result()
+    checkpoints.close()
+    capsys.readouterr()
+    resumed = run_uncached("shardmap_dp", checkpoint_dir=str(tmp_path), checkpoint_every=10)
+    out = capsys.readouterr().out
+    assert "the checkpoint of step 20: it holds non-finite values; moved it to" in out, out
+    assert "resumed from the checkpoint of step 10" in out and resumed.losses == first.losses[10:]

@@ -3,10 +3,13 @@
 give the same losses, a non-finite loss stops it, --debug-nans, and the loop runs the
 program the report describes."""
 
+import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import jax
 import pytest
@@ -23,13 +26,20 @@ jax.monitoring.register_event_duration_secs_listener(
     lambda event, seconds, **_: LOWERINGS.append(event) if event.endswith("jaxpr_to_mlir_module_duration") else None
 )
 MESH_SCRIPTS = ("pjit_tp", "logical_pjit")
+ALL_MESH_SCRIPTS = ("fsdp", "pjit_tp", "logical_pjit", "pipeline", "context_parallel")
 # (flags, the scripts they apply to, what the one-line error must say). Every message names the
 # flag and gives a valid example ("e.g."), except argparse's own for unknown flags and values.
 BAD_INPUTS = [
     (["--batch-size", "9"], SCRIPTS, "--batch-size must be divisible by"),
     (["--batch-size", "16", "--microbatches", "4"], ("shardmap_dp", "fsdp"), "8 batch shards x 4 micro-batches"),
     (["--mesh", "data=3,model=2"], MESH_SCRIPTS, "--mesh data=3,model=2 has 6 devices, not 8"),
-    (["--mesh", "data=8"], MESH_SCRIPTS, "--mesh data=8 must name the axes data and model"),
+    (["--mesh", "data=2,tensor=4"], MESH_SCRIPTS, "--mesh data=2,tensor=4 may name only the axes data and model"),
+    (["--mesh", "data=4,data=2"], ALL_MESH_SCRIPTS, "--mesh data=4,data=2 names an axis twice"),
+    (["--mesh", "data=3"], ("fsdp",), "--mesh data=3 has 3 devices, not 8"),
+    (["--mesh", "data"], ("fsdp",), "--mesh data is not axis=size pairs"),
+    (["--mesh", ""], ("fsdp",), "--mesh  is not axis=size pairs"),
+    (["--mesh", "data=-8"], ("fsdp",), "--mesh data=-8 has an axis of size < 1"),
+    (["--mesh", "replica=3,data=4"], ("fsdp",), "--mesh replica=3,data=4 has 12 devices, not 8"),
     (["--mesh", "eight"], MESH_SCRIPTS, "--mesh eight is not axis=size pairs"),
     (["--heads", "6", "--d-model", "96", "--mesh", "data=2,model=4"], ("pjit_tp",), "model=4 must divide --heads 6"),
     (["--heads", "6", "--d-model", "96", "--mesh", "data=2,model=4"], ("logical_pjit",), "splits 'heads' 4 ways"),
@@ -39,14 +49,18 @@ BAD_INPUTS = [
     (["--mesh", "data=2,stage=4", "--layers", "4", "--microbatches", "2", "--batch-size", "16"], ("pipeline",),
      "--microbatches must be at least the 4 stages for 1F1B"),
     (["--schedule", "zigzag"], ("pipeline",), "argument --schedule: invalid choice: 'zigzag'"),
-    (["--mesh", "data=8"], ("pipeline",), "--mesh data=8 must name the axes data and stage"),
     (["--mesh", "data=2,context=4", "--seq-len", "12"], ("context_parallel",),
      "--seq-len must split into 2 x context = 8 equal pieces"),
-    (["--mesh", "data=8"], ("context_parallel",), "--mesh data=8 must name the axes data and context"),
     (["--steps", "0"], SCRIPTS, "--steps must be positive"),
     (["--layers", "0"], SCRIPTS, "--layers must be positive"),
     (["--seq-len", "-1"], SCRIPTS, "--seq-len must be positive"),
     (["--lr", "0"], SCRIPTS, "--lr must be positive"),
+    (["--lr", "inf"], ("fsdp",), "--lr must be a finite float32 number"),
+    (["--lr", "1e39"], ("fsdp",), "--lr must be a finite float32 number"),
+    (["--weight-decay", "inf"], ("fsdp",), "--weight-decay must be a finite float32 number"),
+    (["--clip-norm", "nan"], ("fsdp",), "--clip-norm must be a finite float32 number"),
+    (["--vocab-size", "100000000"], ("fsdp",), "--vocab-size must be from 8 to 1,048,576"),
+    (["--metrics-file", "/dev/null"], ("fsdp",), "--metrics-file /dev/null is not a regular file"),
     (["--cpu-devices", "0"], SCRIPTS, "--cpu-devices must be positive"),
     (["--microbatches", "0"], ("pmap_dp",), "--microbatches must be positive"),
     (["--log-every", "0"], ("pmap_dp",), "--log-every must be positive"),
@@ -94,6 +108,13 @@ def test_bad_input_exits_2_with_one_line(script, flags, message, tmp_path, capsy
         suggested = re.search(r"e\.g\. (--[\w-]+)", err).group(1)  # the example is a real flag
         assert suggested.removeprefix("--").replace("-", "_") in module.Config.__dataclass_fields__, err
     assert len(COMPILATIONS) == compiled_before
+
+
+def test_an_axis_left_out_of_the_mesh_has_size_1():
+    """--mesh names the axes that are split; the others have size 1."""
+    assert SCRIPTS["pipeline"].Config(mesh="stage=8", layers=8).mesh_axes() == {"data": 1, "stage": 8}
+    assert SCRIPTS["context_parallel"].Config(mesh="context=8").mesh_axes() == {"data": 1, "context": 8}
+    assert SCRIPTS["pjit_tp"].Config(mesh="model=4,data=2").mesh_axes() == {"data": 2, "model": 4}
 
 
 @pytest.mark.parametrize("name", DEFAULTS.values())
@@ -236,3 +257,93 @@ def test_profile_writes_a_trace(tmp_path):
     assert "profile of steps 2-4 written to runs/profile" in done.stdout
     traces = list((tmp_path / "runs" / "profile").rglob("*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0
+
+
+STUCK_STEP = """
+import sys, time
+import jax, jax.numpy as jnp
+import common
+config = common.Config(batch_size=8, stall_timeout=int(sys.argv[1]))
+common.setup(config)
+checkpoints = common.Checkpoints(config)  # its Ctrl-C and SIGTERM handlers
+watchdog = common.Watchdog(config.stall_timeout)  # as the Logger starts it
+# A step that never finishes: XLA runs this small program on the calling thread, and its host
+# callback sleeps, so the main thread waits inside XLA, as when a collective deadlocked.
+never = jax.jit(lambda x: jax.pure_callback(lambda v: (time.sleep(600), v)[1], jax.ShapeDtypeStruct((), x.dtype), x))
+print("starting the step", flush=True)
+never(jnp.float32(1)).block_until_ready()
+"""
+
+
+def test_a_stuck_step_stops_with_one_line_after_the_stall_timeout(tmp_path):
+    """A step that never finishes (a deadlocked collective, as once on a loaded machine) ends
+    the run after --stall-timeout seconds with one line, rather than hanging for good."""
+    copy_alone("shardmap_dp", tmp_path)
+    (tmp_path / "stuck.py").write_text(STUCK_STEP)
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "stuck.py", "3"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    waited = time.monotonic() - start
+    print(f"\nstuck step, --stall-timeout 3: exit {done.returncode} after {waited:.1f}s: {done.stderr.strip()}")
+    assert done.returncode == 1 and waited < 30
+    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "error: no progress for 3s" in done.stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stuck_step_stops_at_the_second_signal(signum, tmp_path):
+    """While the run waits for a stuck step, Ctrl-C and SIGTERM are heard: the first asks the
+    step to finish (it cannot), the second stops at once (before: nothing but SIGKILL did)."""
+    copy_alone("shardmap_dp", tmp_path)
+    (tmp_path / "stuck.py").write_text(STUCK_STEP)
+    proc = subprocess.Popen(
+        [sys.executable, "stuck.py", "0"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline() == "starting the step\n"
+        time.sleep(1)
+        for _ in range(2):
+            proc.send_signal(signum)
+            time.sleep(1)
+        code = proc.wait(timeout=20)
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    assert code == 128 + signum and "again: stopping now" in err, err
+
+
+def test_ctrl_c_while_starting_is_one_line(tmp_path):
+    """Ctrl-C after JAX has started its devices but before the first step (here: while the
+    step compiles) stops the run with one line, exit 130 (before: a 16-line traceback)."""
+    copy_alone("shardmap_dp", tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "shardmap_dp.py", "--steps", "3", "--layers", "8"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not any("XLAEigen" in open(f"/proc/{proc.pid}/task/{t}/comm").read()
+                      for t in os.listdir(f"/proc/{proc.pid}/task")):  # fmt: skip
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and out == "", (out, err)
+    assert err.strip() == "Ctrl-C: stopped while starting, before any step; nothing was trained or saved"
+
+
+def test_a_closed_stdout_does_not_stop_training(tmp_path):
+    """`python fsdp.py | head -n 2`: once the reader is gone, output is dropped and the run
+    trains to the end, writing its metrics (before: BrokenPipeError at the next line)."""
+    copy_alone("fsdp", tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "fsdp.py", *TINY, "--steps", "6", "--metrics-file", "m.jsonl"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    proc.stdout.readline()
+    proc.stdout.close()  # as `head -n 1` does
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0, err
+    assert "Error" not in err, err
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert records[-2]["step"] == 6 and "summary" in records[-1]

@@ -68,10 +68,22 @@ class TinyText(tfds.core.GeneratorBasedBuilder):
         yield 0, {"text": text}
 
 
+class EmptyText(TinyText):
+    """Records whose text is empty, in every split: nothing to learn."""
+
+    def _split_generators(self, dl_manager):
+        return {split: self._generate_examples("") for split in TEXTS}
+
+    def _generate_examples(self, text):
+        for i in range(3):
+            yield i, {"text": text}
+
+
 @pytest.fixture(scope="session")
 def text_data_dir(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("tfds")
     TinyText(data_dir=data_dir, file_format="array_record").download_and_prepare()
+    EmptyText(data_dir=data_dir, file_format="array_record").download_and_prepare()
     return str(data_dir)
 
 
@@ -125,8 +137,10 @@ def test_command_line_reads_a_prepared_tfds_dataset(text_data_dir, tmp_path):
             ["--dataset", "tiny_shakespeare", "--data-dir", "EMPTY", "--tfds-manual-dir", "EMPTY"],
             "--tfds-manual-dir EMPTY holds no input.txt: tiny_shakespeare is prepared from https://",
         ),
+        # Before: trained on newline padding alone, and exited 0.
+        (["--dataset", "empty_text"], "--dataset empty_text has no text in 'text' of its 'train' split"),
     ],
-    ids=["unknown", "no text key", "cannot prepare", "empty manual folder"],
+    ids=["unknown", "no text key", "cannot prepare", "empty manual folder", "all texts empty"],
 )
 def test_bad_dataset_exits_2_with_one_line(flags, message, text_data_dir, tmp_path):
     (tmp_path / "empty").mkdir()

@@ -1,12 +1,9 @@
 """The documentation cannot go stale: README.md's excerpts are the scripts' code."""
 
-import contextlib
-import io
 import re
 import subprocess
 import sys
 
-import pipeline
 
 from tests.harness import ROOT, SCRIPTS
 
@@ -30,11 +27,43 @@ def test_readme_transitions_match_the_scripts():
 
 def test_readme_schedules_are_what_the_script_prints():
     """README.md's picture of the two pipeline schedules is pipeline.py's --show-schedule."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        for kind in ("gpipe", "1f1b"):
-            print(f"--schedule {kind} on 4 stages, 8 micro-batches:")
-            pipeline.show_schedule(pipeline.make_schedule(kind, 4, 8))
+    out = ""
+    for kind in ("gpipe", "1f1b"):
+        done = subprocess.run(
+            [sys.executable, "pipeline.py", "--show-schedule", "--schedule", kind, "--mesh", "data=2,stage=4",
+             "--layers", "4", "--microbatches", "8"],
+            cwd=ROOT, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert done.returncode == 0 and "step " not in done.stdout, done.stderr  # printed, trained nothing
+        out += done.stdout
     readme = (ROOT / "README.md").read_text()
     block = readme.split("<!-- schedule:start -->\n```\n", 1)[1].split("```\n<!-- schedule:end -->", 1)[0]
-    assert block == out.getvalue()
+    assert block == out
+
+
+def test_readme_error_examples_are_what_the_scripts_say():
+    """Every '$ python SCRIPT FLAGS' example in README.md followed by an error line is that
+    command's real, one-line answer."""
+    readme = (ROOT / "README.md").read_text()
+    examples = re.findall(r"^\$ python (\S+\.py) ?(.*)\n(\S+\.py: error: .*)$", readme, re.MULTILINE)
+    assert examples
+    for script, flags, expected in examples:
+        done = subprocess.run(
+            [sys.executable, script, *flags.split()], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+        assert done.returncode == 2 and done.stderr.strip() == expected, (script, flags, done.stderr)
+
+
+def test_a_benchmark_run_changes_no_tracked_file(tmp_path):
+    """benchmarks/benchmark.py prints its table; README.md and benchmarks/results.* change only
+    with --write (before: a 20-step trial run rewrote all three)."""
+    tracked = [ROOT / "README.md", ROOT / "benchmarks" / "results.md", ROOT / "benchmarks" / "results.png"]
+    before = [path.read_bytes() for path in tracked]
+    done = subprocess.run(
+        [sys.executable, "benchmarks/benchmark.py", "--only", "shardmap_dp", "--no-remat", "--", "--steps=2",
+         "--batch-size=8", "--seq-len=16", "--layers=1", "--d-model=32"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| shardmap_dp" in done.stdout and "wrote" not in done.stdout
+    assert [path.read_bytes() for path in tracked] == before

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 
 import pytest
@@ -121,3 +122,23 @@ def test_ctrl_c_on_one_process_stops_both_at_the_same_step(tmp_path):
     assert len(saved) == 1 and [int(n) for n in os.listdir(ckpt) if n.isdigit()] == saved  # process 0 reports
     assert any("Ctrl-C: the run will finish its step" in line for line in lines[1])
     assert json.loads(metrics.read_text().splitlines()[-1])["summary"]["steps"] == saved[0]
+
+
+def test_a_coordinator_port_in_use_is_one_line_on_every_process(tmp_path):
+    """Another program holds the coordinator's port: process 0 says so, naming the port (before:
+    an RPC-server traceback, once a segmentation fault); process 1, which finds that program at
+    the address, says it could not join process 0 (before: 'process 1 did not join')."""
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        address = f"--coordinator-address=127.0.0.1:{port}"
+        first = run_script("shardmap_dp", tmp_path, *TINY, address, "--num-processes=2", "--process-id=0")
+        second = run_script(
+            "shardmap_dp", tmp_path, *TINY, address, "--num-processes=2", "--process-id=1", "--heartbeat-timeout=5"
+        )
+    assert first.returncode == 2 and first.stderr.count("\n") == 1, first.stderr
+    assert f"--coordinator-address: port {port} is in use on this host" in first.stderr
+    lines = [line for line in second.stderr.splitlines() if line.strip()]
+    assert second.returncode == 1 and len(lines) == 1, second.stderr
+    assert f"error: could not join process 0 at 127.0.0.1:{port} within 5s" in lines[0]
