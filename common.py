@@ -25,6 +25,7 @@ import time
 import traceback
 import typing
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -1279,7 +1280,11 @@ class Checkpoints:
                     heard += signum in self.previous_handlers
                     if heard >= 2:
                         name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
-                        print(f"{name} again: stopping now; the last complete checkpoint is kept", file=sys.stderr, flush=True)
+                        print(
+                            f"{name} again: stopping now; the last complete checkpoint is kept",
+                            file=sys.stderr,
+                            flush=True,
+                        )
                         os._exit(128 + signum)
 
         threading.Thread(target=listen, daemon=True).start()
@@ -1379,6 +1384,8 @@ class Checkpoints:
 
     def close(self):
         """Wait for the saves still being written; give the folder and the signals back."""
+        for watchdog in list(Watchdog.running):  # the loop is over, whatever ended it
+            watchdog.stop()
         for signum, handler in self.previous_handlers.items():
             signal.signal(signum, handler)
         read, write, previous_fd = self.wakeup
@@ -1865,19 +1872,26 @@ def host_value(x) -> float:
 class Watchdog:
     """Stops the run with one line when it makes no progress for `seconds`: a step whose
     collective never completes (an emulated device's thread that never joins it, say) would
-    otherwise hang the run for good. The loop calls beat() whenever something finishes."""
+    otherwise hang the run for good. The loop calls beat() whenever something finishes; the
+    run's end, however it comes, calls stop() (Logger.finish, Checkpoints.close)."""
+
+    running = weakref.WeakSet()
 
     def __init__(self, seconds: int):
         self.seconds, self.last, self.what = seconds, time.monotonic(), "starting"
+        self.stopped = threading.Event()
         if seconds:
+            Watchdog.running.add(self)
             threading.Thread(target=self._watch, daemon=True).start()
 
     def beat(self, what: str):
         self.last, self.what = time.monotonic(), what
 
+    def stop(self):
+        self.stopped.set()
+
     def _watch(self):
-        while True:
-            time.sleep(min(1.0, self.seconds / 4))
+        while not self.stopped.wait(min(1.0, self.seconds / 4)):
             if time.monotonic() - self.last > self.seconds:
                 print(
                     f"error: no progress for {self.seconds}s after {self.what}: a step is stuck (on emulated CPU "
@@ -2013,7 +2027,7 @@ class Logger:
 
     def profile(self, step: int, metrics):
         """--profile: trace the PROFILED_STEPS steps after the first one run here (which can
-        include one-off work), for TensorBoard or Perfetto (README: Profiling)."""
+        include one-off work), for TensorBoard or Perfetto (docs/operations.md: Profiling)."""
         if not self.config.profile:
             return
         if self.profiling is None and step > self.start:
@@ -2084,6 +2098,7 @@ class Logger:
 
     def finish(self) -> dict:
         """Print and write the end-of-run report; return it (the summary)."""
+        self.watchdog.stop()
         if self.profiling:  # the run ended inside the traced steps
             jax.profiler.stop_trace()
         losses = self.losses.fetch()

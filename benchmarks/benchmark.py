@@ -6,11 +6,11 @@ prints the table; with --out DIR it also writes into DIR:
   results.md   one row per strategy: losses, state bytes per device, the compiled step's
                memory, collectives per step, compile time, speed
   results.png  the loss curves and the state bytes per device
-and with --write it writes those into benchmarks/ and puts the table into README.md between
-the benchmark markers: the tracked files change only when asked. With --remat, each strategy
+and with --write it writes those into benchmarks/ and puts the table into docs/costs.md
+between the benchmark markers: the tracked files change only when asked. With --remat, each strategy
 is also compiled with --remat (one step) to show what rematerialisation saves.
 
-  python benchmarks/benchmark.py --write              # the README's figures, 200 steps (~8 min on CPU)
+  python benchmarks/benchmark.py --write              # docs/costs.md's figures, 200 steps (~8 min on CPU)
   python benchmarks/benchmark.py -- --dtype bfloat16  # flags after -- go to every script; prints only
 """
 
@@ -124,7 +124,9 @@ def plot(rows, path):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="write results.md and results.png into this folder")
-    parser.add_argument("--write", action="store_true", help="write them into benchmarks/ and the table into README.md")
+    parser.add_argument(
+        "--write", action="store_true", help="write them into benchmarks/ and the table into docs/costs.md"
+    )
     parser.add_argument("--only", default=",".join(STRATEGIES), help="comma-separated strategies to run")
     parser.add_argument(
         "--remat", action=argparse.BooleanOptionalAction, default=True, help="also compile with --remat"
@@ -164,10 +166,11 @@ def main():
         plot(rows, out / "results.png")
         print(f"wrote {out / 'results.md'} and {out / 'results.png'}")
     if args.write:
-        readme = (ROOT / "README.md").read_text()
-        start, end = readme.index(README_START) + len(README_START), readme.index(README_END)
-        (ROOT / "README.md").write_text(readme[:start] + "\n" + markdown + readme[end:])
-        print("wrote the table into README.md")
+        page = ROOT / "docs" / "costs.md"
+        text = page.read_text()
+        start, end = text.index(README_START) + len(README_START), text.index(README_END)
+        page.write_text(text[:start] + "\n" + markdown.replace("](benchmarks/", "](../benchmarks/") + text[end:])
+        print(f"wrote the table into {page}")
 
 
 if __name__ == "__main__":

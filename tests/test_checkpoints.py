@@ -118,9 +118,13 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(os, "_exit", exits.append)
     checkpoints = common.Checkpoints(shardmap_dp.Config(**SMALL))
     try:
-        checkpoints._on_signal(signal.SIGINT, None)
+        signal.raise_signal(signal.SIGINT)
+        time.sleep(0.5)
         assert checkpoints.stop_signal == signal.SIGINT and exits == []
-        checkpoints._on_signal(signal.SIGINT, None)
+        signal.raise_signal(signal.SIGINT)  # heard by the thread that reads the signals' wake-up pipe
+        deadline = time.monotonic() + 10
+        while not exits and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert exits == [130]
     finally:
         checkpoints.close()
@@ -405,7 +409,11 @@ def test_the_metrics_file_is_strict_json(tmp_path):
     logger.file = open(tmp_path / "m.jsonl", "w")
     logger.write({"step": 3, "eval_loss": float("nan"), "summary": {"final_loss": float("inf")}})
     logger.file.close()
-    assert json.loads((tmp_path / "m.jsonl").read_text()) == {"step": 3, "eval_loss": None, "summary": {"final_loss": None}}
+    assert json.loads((tmp_path / "m.jsonl").read_text()) == {
+        "step": 3,
+        "eval_loss": None,
+        "summary": {"final_loss": None},
+    }
 
 
 def test_a_full_disk_under_the_metrics_file_is_one_line(tmp_path, monkeypatch):

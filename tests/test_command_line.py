@@ -237,7 +237,7 @@ def test_xla_flags_device_count_is_respected(tmp_path):
 
 def test_emulated_devices_may_be_late_to_a_collective(tmp_path):
     """XLA's CPU collectives abort a run when one emulated device reaches a collective 40 s after
-    the others (a busy or sleeping machine; README: Troubleshooting). The scripts allow a day,
+    the others (a busy or sleeping machine; README: Running on CPU, GPU and TPU). The scripts allow a day,
     keeping any value the user set in XLA_FLAGS."""
     (tmp_path / "show_flags.py").write_text(
         "import os, common\ncommon.setup(common.Config(steps=1, batch_size=8))\nprint(os.environ['XLA_FLAGS'])\n"
@@ -347,3 +347,10 @@ def test_a_closed_stdout_does_not_stop_training(tmp_path):
     assert "Error" not in err, err
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
     assert records[-2]["step"] == 6 and "summary" in records[-1]
+
+
+def test_the_stall_watchdog_ends_with_the_run():
+    """A run's watchdog stops when the run ends, however it ends: one left running would stop
+    the process --stall-timeout seconds later (the tests call main() many times)."""
+    run_uncached("shardmap_dp", steps=2, eval_every=0)
+    assert common.Watchdog.running and all(w.stopped.is_set() for w in common.Watchdog.running)

@@ -1,4 +1,5 @@
-"""The documentation cannot go stale: README.md's excerpts are the scripts' code."""
+"""The documentation cannot go stale: its excerpts are the scripts' code and output, and
+README.md stays what a newcomer reads first."""
 
 import re
 import subprocess
@@ -11,22 +12,24 @@ BRANCHES = ["pipeline", "context_parallel"]  # read after shardmap_dp.py, beside
 
 
 def test_readme_transitions_match_the_scripts():
-    """README.md's diff excerpts, one per neighbouring pair (the chain from pmap_dp.py to
-    logical_pjit.py, and the branches from shardmap_dp.py), are what tools/transitions.py
-    makes from the scripts today."""
+    """docs/transitions.md's diff excerpts, one per neighbouring pair (the chain from pmap_dp.py
+    to logical_pjit.py, and the branches from shardmap_dp.py), are what tools/transitions.py
+    makes from the scripts today; README.md has a paragraph for each."""
     done = subprocess.run(
         [sys.executable, ROOT / "tools" / "transitions.py", "--check"], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
-    readme = (ROOT / "README.md").read_text()
-    pairs = re.findall(r"<!-- diff (\S+) (\S+):", readme)
+    pairs = re.findall(r"<!-- diff (\S+) (\S+):", (ROOT / "docs" / "transitions.md").read_text())
     chain = [name for name in SCRIPTS if name not in BRANCHES]
     expected = list(zip(chain[:-1], chain[1:], strict=True)) + [("shardmap_dp", name) for name in BRANCHES]
     assert pairs == [(f"{a}.py", f"{b}.py") for a, b in expected]
+    readme = (ROOT / "README.md").read_text()
+    for a, b in expected:
+        assert f"(`{a}.py` → `{b}.py`)" in readme
 
 
 def test_readme_schedules_are_what_the_script_prints():
-    """README.md's picture of the two pipeline schedules is pipeline.py's --show-schedule."""
+    """docs/strategies.md's picture of the two pipeline schedules is pipeline.py's --show-schedule."""
     out = ""
     for kind in ("gpipe", "1f1b"):
         done = subprocess.run(
@@ -36,15 +39,15 @@ def test_readme_schedules_are_what_the_script_prints():
         )  # fmt: skip
         assert done.returncode == 0 and "step " not in done.stdout, done.stderr  # printed, trained nothing
         out += done.stdout
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "docs" / "strategies.md").read_text()
     block = readme.split("<!-- schedule:start -->\n```\n", 1)[1].split("```\n<!-- schedule:end -->", 1)[0]
     assert block == out
 
 
 def test_readme_error_examples_are_what_the_scripts_say():
-    """Every '$ python SCRIPT FLAGS' example in README.md followed by an error line is that
-    command's real, one-line answer."""
-    readme = (ROOT / "README.md").read_text()
+    """Every '$ python SCRIPT FLAGS' example in the documentation followed by an error line is
+    that command's real, one-line answer."""
+    readme = "".join(path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     examples = re.findall(r"^\$ python (\S+\.py) ?(.*)\n(\S+\.py: error: .*)$", readme, re.MULTILINE)
     assert examples
     for script, flags, expected in examples:
@@ -55,9 +58,9 @@ def test_readme_error_examples_are_what_the_scripts_say():
 
 
 def test_a_benchmark_run_changes_no_tracked_file(tmp_path):
-    """benchmarks/benchmark.py prints its table; README.md and benchmarks/results.* change only
-    with --write (before: a 20-step trial run rewrote all three)."""
-    tracked = [ROOT / "README.md", ROOT / "benchmarks" / "results.md", ROOT / "benchmarks" / "results.png"]
+    """benchmarks/benchmark.py prints its table; docs/costs.md and benchmarks/results.* change
+    only with --write (before: a 20-step trial run rewrote all three)."""
+    tracked = [ROOT / "docs" / "costs.md", ROOT / "benchmarks" / "results.md", ROOT / "benchmarks" / "results.png"]
     before = [path.read_bytes() for path in tracked]
     done = subprocess.run(
         [sys.executable, "benchmarks/benchmark.py", "--only", "shardmap_dp", "--no-remat", "--", "--steps=2",
@@ -67,3 +70,11 @@ def test_a_benchmark_run_changes_no_tracked_file(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| shardmap_dp" in done.stdout and "wrote" not in done.stdout
     assert [path.read_bytes() for path in tracked] == before
+
+
+def test_readme_is_what_a_newcomer_needs():
+    """About 400 lines at most, the rest in docs/; every docs page it names exists."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 400
+    for page in re.findall(r"\]\((docs/[\w.]+)\)", readme):
+        assert (ROOT / page).exists(), page

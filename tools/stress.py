@@ -10,6 +10,7 @@ run ended and how many "stuck" warnings and aborts XLA printed.
 
   python tools/stress.py -- python fsdp.py --cpu-devices 4 --steps 2000
   python tools/stress.py --busy-per-core 8 --starve -- python fsdp.py --cpu-devices 4 --steps 2000
+  python tools/stress.py --runs 8 --busy-per-core 4 -- python fsdp.py --cpu-devices 4 --steps 300
   # the limit XLA had before the scripts raised it, scaled down to abort within seconds:
   XLA_FLAGS=--xla_cpu_collective_call_terminate_timeout_seconds=2 \\
     python tools/stress.py --starve -- python fsdp.py --cpu-devices 4 --steps 200
@@ -22,6 +23,7 @@ import argparse
 import os
 import subprocess
 import sys
+import threading
 import time
 
 BUSY = [sys.executable, "-c", "while True: pass"]
@@ -45,6 +47,7 @@ def main():
     parser.add_argument("--busy-per-core", type=int, default=4, help="busy loops per core")
     parser.add_argument("--starve", action="store_true", help="run one emulated device's thread far behind")
     parser.add_argument("--starve-nice", type=int, default=-10, help="niceness of the busy loops beside that thread")
+    parser.add_argument("--runs", type=int, default=1, help="start this many copies of the command at once")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -53,7 +56,11 @@ def main():
     cores = sorted(os.sched_getaffinity(0))
     busy = []
     start = time.monotonic()
-    run = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    runs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
+    runs += [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(args.runs - 1)]  # fmt: skip
+    run = runs[0]
+    outputs = [[] for _ in runs]
     try:
         if args.starve:
             deadline = time.monotonic() + 120
@@ -75,24 +82,37 @@ def main():
                     except PermissionError:
                         pass
                 busy.append(loop)
-        print(f"{len(busy)} busy loops on {len(cores)} cores; running: {' '.join(command)}", flush=True)
-        lines = []
-        for line in run.stdout:  # as it comes, so that a run stopped from outside still shows
-            print(line, end="", flush=True)
-            lines.append(line.rstrip("\n"))
-        run.wait()
+        print(f"{len(busy)} busy loops on {len(cores)} cores; {len(runs)} x: {' '.join(command)}", flush=True)
+
+        def read(i):  # as it comes, so that a run stopped from outside still shows (the first run's)
+            for line in runs[i].stdout:
+                if i == 0:
+                    print(line, end="", flush=True)
+                outputs[i].append(line.rstrip("\n"))
+
+        readers = [threading.Thread(target=read, args=(i,)) for i in range(len(runs))]
+        for reader in readers:
+            reader.start()
+        for reader in readers:
+            reader.join()
+        for each in runs:
+            each.wait()
     finally:
         for loop in busy:
             loop.kill()
-        if run.poll() is None:
-            run.kill()
-    steps = [line for line in lines if line.startswith("step ")]
-    print(
-        f"exit status {run.returncode} after {time.monotonic() - start:.0f}s; last: {steps[-1] if steps else 'no step'}; "
-        f"XLA 'may be stuck' warnings: {sum('may be stuck' in line for line in lines)}, "
-        f"aborts: {sum('Termination timeout' in line for line in lines)}"
-    )
-    sys.exit(run.returncode)
+        for each in runs:
+            if each.poll() is None:
+                each.kill()
+    for i, (each, lines) in enumerate(zip(runs, outputs, strict=True)):
+        steps = [line for line in lines if line.startswith("step ")]
+        print(
+            f"run {i}: exit status {each.returncode} after {time.monotonic() - start:.0f}s; "
+            f"last: {steps[-1] if steps else 'no step'}; "
+            f"XLA 'may be stuck' warnings: {sum('may be stuck' in line for line in lines)}, "
+            f"aborts: {sum('Termination timeout' in line for line in lines)}, "
+            f"stalls: {sum('no progress for' in line for line in lines)}"
+        )
+    sys.exit(max(each.returncode for each in runs))
 
 
 if __name__ == "__main__":

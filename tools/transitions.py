@@ -1,6 +1,6 @@
-"""Regenerate the diff excerpts in README.md's "Transitions" section from the scripts.
+"""Regenerate the diff excerpts of docs/transitions.md from the scripts.
 
-Each excerpt sits between two markers in README.md:
+Each excerpt sits between two markers in docs/transitions.md:
 
   <!-- diff shardmap_dp.py fsdp.py: init_state train_step -->
   ...generated: a unified diff of those top-level definitions...
@@ -8,9 +8,9 @@ Each excerpt sits between two markers in README.md:
 
 The first marker names two neighbouring scripts and the top-level definitions (functions,
 classes or assignments) to compare; this tool puts `diff -u` of their source in between. So the
-README's excerpts are always the real code, and test_equivalence.py fails when they are stale.
+excerpts are always the real code, and tests/test_docs.py fails when they are stale.
 
-  python tools/transitions.py           # rewrite README.md's excerpts
+  python tools/transitions.py           # rewrite the excerpts
   python tools/transitions.py --check   # exit 1 if any excerpt differs from the scripts
 """
 
@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "transitions.md"
 MARKER = re.compile(r"<!-- diff (\S+) (\S+): ([\w ]+) -->\n.*?<!-- end diff -->", re.DOTALL)
 
 
@@ -47,7 +48,7 @@ def excerpt(match) -> str:
     new, missing_new = definitions(ROOT / after, names)
     both_missing = set(missing_old) & set(missing_new)
     if both_missing:
-        raise SystemExit(f"README.md: neither {before} nor {after} defines {', '.join(sorted(both_missing))}")
+        raise SystemExit(f"{PAGE.name}: neither {before} nor {after} defines {', '.join(sorted(both_missing))}")
     diff = difflib.unified_diff(old.splitlines(), new.splitlines(), before, after, lineterm="", n=2)
     return (
         f"<!-- diff {before} {after}: {' '.join(names)} -->\n```diff\n" + "\n".join(diff) + "\n```\n<!-- end diff -->"
@@ -56,17 +57,17 @@ def excerpt(match) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="only check; exit 1 if README.md is stale")
+    parser.add_argument("--check", action="store_true", help="only check; exit 1 if an excerpt is stale")
     args = parser.parse_args()
-    readme = (ROOT / "README.md").read_text()
+    readme = PAGE.read_text()
     fresh = MARKER.sub(excerpt, readme)
     if args.check:
         if fresh != readme:
-            sys.exit("README.md's transition excerpts differ from the scripts: run python tools/transitions.py")
-        print(f"README.md: {len(MARKER.findall(readme))} transition excerpts match the scripts")
+            sys.exit(f"{PAGE}'s transition excerpts differ from the scripts: run python tools/transitions.py")
+        print(f"{PAGE.name}: {len(MARKER.findall(readme))} transition excerpts match the scripts")
     else:
-        (ROOT / "README.md").write_text(fresh)
-        print(f"README.md: rewrote {len(MARKER.findall(readme))} transition excerpts")
+        PAGE.write_text(fresh)
+        print(f"{PAGE.name}: rewrote {len(MARKER.findall(readme))} transition excerpts")
 
 
 if __name__ == "__main__":
