@@ -1882,7 +1882,7 @@ class Watchdog:
         self.stopped = threading.Event()
         if seconds:
             Watchdog.running.add(self)
-            threading.Thread(target=self._watch, daemon=True).start()
+            threading.Thread(target=self._watch, name="stall-watchdog", daemon=True).start()
 
     def beat(self, what: str):
         self.last, self.what = time.monotonic(), what
