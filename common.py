@@ -1,7 +1,7 @@
 """What the strategy scripts share, and never a strategy.
 
-Read top to bottom: the Config (every flag), the GPT model, the data, the TrainState with its
-optimizer, loss and gradient accumulation. These are what every script is built from. Below
+Read top to bottom: the Config (every flag), the model and its contract, the data, the
+TrainState with its optimizer, loss and gradient accumulation. These are what every script is built from. Below
 the PLUMBING banner: the command line and its checks, devices and several processes,
 checkpoints, the cost report, and logging. Nothing here decides how work is split across
 devices: that is what each script teaches, so it lives in the script.
@@ -67,10 +67,14 @@ class Config:
     seed: int = arg(0, "seed of the parameters, the dropout masks and the batch sequence")
     dtype: str = arg("float32", "compute dtype; parameters stay float32", choices=("float32", "bfloat16"))
     vocab_size: int = arg(256, "tokens of the synthetic source, e.g. 50304 as GPT-2's; text is read as bytes: 256")
+    model: str = arg("gpt", "the model: gpt, or a Python file or module of your own defining Embed, Block and Head")
     microbatches: int = arg(1, "gradient accumulation: sequential micro-batches per step")
     scan_layers: bool = arg(False, "run the blocks with nn.scan: one compiled block, not --layers")
     remat: bool = arg(False, "recompute each block's activations in the backward pass instead of keeping them")
-    dataset: str = arg("synthetic", "'synthetic' (embedded, no download) or a TFDS text dataset, e.g. tiny_shakespeare")
+    dataset: str = arg(
+        "synthetic", "'synthetic' (embedded, no download), a text file (input.txt, read as bytes) or a TFDS text "
+        "dataset, e.g. tiny_shakespeare"
+    )  # fmt: skip
     data_dir: str | None = arg(None, "where TFDS datasets are stored (default: TFDS's, ~/tensorflow_datasets)")
     text_key: str = arg("text", "the TFDS dataset's text feature, e.g. text for tiny_shakespeare and lm1b")
     tfds_manual_dir: str | None = arg(None, "already downloaded source files for preparing a TFDS dataset offline")
@@ -107,11 +111,33 @@ class Config:
     def validate(self):
         """Raise ConfigError naming the first bad flag; a script adds its own flags' checks."""
         check_flags(self)
+        check_model(self)  # the model keeps its contract (--model)
 
 
 # ----------------------------------------------------------------------------------------------
-# Model: a GPT-2-style decoder. Parameters carry logical axis names and activations logical
-# constraints; both are inert unless a script installs rules for them (logical_pjit.py does).
+# Model. The scripts train any model made of three pieces: the GPT-2-style decoder below, or
+# your own (--model). What a model must offer, its contract:
+#
+#   1. Three Flax linen module classes named Embed, Block and Head, each a Piece: built as
+#      Piece(config, attend, positions), called as piece(x, deterministic).
+#        Embed: tokens [batch, length] int32 -> activations [batch, length, features];
+#        Block: activations -> (activations of the same shape and dtype, None), --layers of
+#               them in turn ((carry, output): the signature nn.scan iterates);
+#        Head:  activations -> logits [batch, length, --vocab-size] in float32.
+#      Model below puts them together: that is where fsdp.py's gather, --remat and
+#      --scan-layers go, and pipeline.py runs the pieces one by one on their stages.
+#   2. Every parameter is declared with nn.with_logical_partitioning(init, names): a logical
+#      name per axis, e.g. ("embed", "mlp"). fsdp.py keeps them to box its shards,
+#      logical_pjit.py maps them onto the mesh; pjit_tp.py names parameters by path instead.
+#   3. Attention goes through self.attend(q, k, v) (q, k, v [batch, length, heads, head_dim],
+#      causal) and token positions come from self.positions(length): context_parallel.py, where
+#      each device holds pieces of every sequence, passes ring attention and the positions of
+#      its pieces.
+#   4. No parameter is shared between pieces (pipeline.py places them on different devices):
+#      an untied head. Randomness only from Flax's 'dropout' rng (nn.Dropout).
+#
+# check_model tests all of this before anything is compiled, in one line per breach. Activations
+# carry logical constraints (nn.with_logical_constraint), inert unless a script installs rules.
 # ----------------------------------------------------------------------------------------------
 
 
@@ -161,10 +187,15 @@ def causal_attention(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
 
-class Embed(nn.Module):
+class Piece(nn.Module):
+    """What each piece of a model is built with (the contract above)."""
+
     config: Config
+    attend: Callable = causal_attention
     positions: Callable = sequence_positions
 
+
+class Embed(Piece):
     @nn.compact
     def __call__(self, tokens, deterministic):
         c = self.config
@@ -209,10 +240,7 @@ class Mlp(nn.Module):
         return nn.Dropout(c.dropout)(x, deterministic=deterministic)
 
 
-class Block(nn.Module):
-    config: Config
-    attend: Callable = causal_attention
-
+class Block(Piece):
     @nn.compact
     def __call__(self, x, deterministic):
         x = x + Attention(self.config, self.attend, name="attn")(_layer_norm(self.config, "ln1")(x), deterministic)
@@ -221,9 +249,7 @@ class Block(nn.Module):
         return x, None  # (carry, output): the signature nn.scan iterates
 
 
-class Head(nn.Module):
-    config: Config
-
+class Head(Piece):
     @nn.compact
     def __call__(self, x, deterministic):  # the signature of every piece, so one wrap fits all
         x = _layer_norm(self.config, "ln_f")(x)
@@ -232,29 +258,78 @@ class Head(nn.Module):
         return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
 
 
+class Pieces(typing.NamedTuple):
+    Embed: type
+    Block: type
+    Head: type
+
+
+GPT = Pieces(Embed, Block, Head)
+MODELS = {"gpt": GPT}  # --model's built-in names
+
+
+@functools.cache
+def model_pieces(name: str) -> Pieces:
+    """The pieces --model names: a built-in model, a Python file (my_model.py) or an importable
+    module (my_project.model) that defines Embed, Block and Head."""
+    if name in MODELS:
+        return MODELS[name]
+    import importlib
+    import importlib.util
+
+    where = f"--model {name}"
+    try:
+        if name.endswith(".py"):
+            require(os.path.isfile(name), "model", f"{name} is not a file; give a Python file or module that "
+                    f"defines Embed, Block and Head, or one of {', '.join(MODELS)}")  # fmt: skip
+            spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], name)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules.setdefault(spec.name, module)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name and name.startswith(error.name):
+            raise ConfigError(f"{where}: no such model, Python file or module; built in: {', '.join(MODELS)}") from None
+        raise
+    missing = [piece for piece in Pieces._fields if not isinstance(getattr(module, piece, None), type)]
+    require(not missing, "model", f"{name} defines no {', '.join(missing)}: a model is three Flax modules named Embed, "
+            "Block and Head (common.py's model contract; README: Your own model and data)")  # fmt: skip
+    pieces = Pieces(*(getattr(module, piece) for piece in Pieces._fields))
+    for piece in pieces:
+        fields = {f.name for f in dataclasses.fields(piece)} if dataclasses.is_dataclass(piece) else set()
+        require(
+            issubclass(piece, nn.Module) and {"config", "attend", "positions"} <= fields,
+            "model",
+            f"{name}: {piece.__name__} is not a common.Piece: subclass it, so that it is built as "
+            f"{piece.__name__}(config, attend, positions) (common.py's model contract)",
+        )
+    return pieces
+
+
 def unwrapped(module_class):
-    return module_class  # GPT's default: each piece as it is
+    return module_class  # the default: each piece as it is
 
 
-class GPT(nn.Module):
-    """Decoder-only causal language model: embeddings, `layers` pre-LayerNorm blocks, a head.
+class Model(nn.Module):
+    """A model's pieces put together: the embedding, --layers blocks, the head.
 
-    `wrap` is applied to each piece's class (the embedding, every block, the head) before the
-    piece is built; fsdp.py passes one that all-gathers a piece's parameters just before it runs.
-    `attend` and `positions` are the attention and the tokens' positions: context_parallel.py,
-    where each device holds a piece of every sequence, passes its own.
+    `wrap` is applied to each piece's class before the piece is built; fsdp.py passes one that
+    all-gathers a piece's parameters just before it runs. `attend` and `positions` go to every
+    piece: context_parallel.py, where each device holds a piece of every sequence, passes its own.
     """
 
     config: Config
+    pieces: Pieces = GPT
     wrap: Callable[[type], type] = unwrapped
     attend: Callable = causal_attention
     positions: Callable = sequence_positions
 
     @nn.compact
     def __call__(self, tokens, deterministic: bool = True):
-        c = self.config
-        x = self.wrap(Embed)(c, self.positions, name="embed")(tokens, deterministic)
-        block = self.wrap(Block)
+        c, (embed, block, head) = self.config, self.pieces
+        x = self.wrap(embed)(c, self.attend, self.positions, name="embed")(tokens, deterministic)
+        block = self.wrap(block)
         if c.remat:  # keep only each block's input; the backward pass runs the block again
             block = nn.remat(block, static_argnums=(2,))
         if c.scan_layers:
@@ -266,11 +341,11 @@ class GPT(nn.Module):
                 length=c.layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, _ = blocks(c, self.attend, name="blocks")(x, deterministic)
+            x, _ = blocks(c, self.attend, self.positions, name="blocks")(x, deterministic)
         else:
             for i in range(c.layers):
-                x, _ = block(c, self.attend, name=f"block_{i}")(x, deterministic)
-        return self.wrap(Head)(c, name="head")(x, deterministic)
+                x, _ = block(c, self.attend, self.positions, name=f"block_{i}")(x, deterministic)
+        return self.wrap(head)(c, self.attend, self.positions, name="head")(x, deterministic)
 
 
 # Cached, one model per config and wrap: the TrainState holds the model's apply method in its
@@ -281,18 +356,19 @@ def make_model(
     wrap: Callable[[type], type] = unwrapped,
     attend: Callable = causal_attention,
     positions: Callable = sequence_positions,
-) -> GPT:
-    return GPT(config, wrap=wrap, attend=attend, positions=positions)
+) -> Model:
+    return Model(config, model_pieces(config.model), wrap=wrap, attend=attend, positions=positions)
 
 
-def init_params(config: Config, rng):
-    """Parameters boxed with their logical axis names (nn.LogicallyPartitioned).
+def init_params(model: Model, rng):
+    """The model's parameters, boxed with their logical axis names (nn.LogicallyPartitioned).
 
     Always initialised block by block, then stacked when --scan-layers is on, so that scanned
     and unscanned runs start from the same numbers.
     """
-    model = GPT(dataclasses.replace(config, scan_layers=False))
-    params = model.init(rng, jnp.zeros((1, config.seq_len), jnp.int32))["params"]
+    config = model.config
+    unscanned = Model(dataclasses.replace(config, scan_layers=False), model.pieces)
+    params = unscanned.init(rng, jnp.zeros((1, config.seq_len), jnp.int32))["params"]
     if config.scan_layers:
         blocks = [params.pop(f"block_{i}") for i in range(config.layers)]
 
@@ -302,6 +378,60 @@ def init_params(config: Config, rng):
 
         params["blocks"] = jax.tree.map(stack, *blocks, is_leaf=lambda x: isinstance(x, nn.Partitioned))
     return params
+
+
+def check_model(config: Config):
+    """The model contract, checked piece by piece on shapes alone (nothing is computed or
+    compiled): ConfigError naming the piece or parameter that breaks it, and what to do."""
+    pieces = model_pieces(config.model)
+    rng, tokens = jax.random.key(0), jax.ShapeDtypeStruct((2, config.seq_len), jnp.int32)
+    where = f"--model {config.model}:"
+    contract = "(common.py's model contract; README: Your own model and data)"
+
+    def build(piece, x):
+        out, variables = jax.eval_shape(lambda x: piece(config).init_with_output(rng, x, True), x)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(variables.get("params", {}), is_leaf=_is_boxed):
+            name = f"{piece.__name__}'s parameter {jax.tree_util.keystr(path, simple=True, separator='/')}"
+            if not isinstance(leaf, nn.LogicallyPartitioned):
+                raise ConfigError(f"{where} {name} has no logical axis names: declare it with "
+                                  f"nn.with_logical_partitioning(init, names) {contract}")  # fmt: skip
+            if len(leaf.names) != len(leaf.value.shape):
+                raise ConfigError(f"{where} {name} has {len(leaf.value.shape)} axes but names {leaf.names}: one "
+                                  f"name per axis {contract}")  # fmt: skip
+        return out
+
+    x = build(pieces.Embed, tokens)
+    if not (isinstance(x, jax.ShapeDtypeStruct) and x.ndim == 3 and x.shape[:2] == tokens.shape):
+        raise ConfigError(f"{where} Embed returns {_shape_text(x)} for tokens {_shape_text(tokens)}; it must return "
+                          f"activations [batch, length, features] {contract}")  # fmt: skip
+    out = build(pieces.Block, x)
+    if not (isinstance(out, tuple) and len(out) == 2 and out[1] is None and _shape_text(out[0]) == _shape_text(x)):
+        raise ConfigError(f"{where} Block returns {_shape_text(out)} for activations {_shape_text(x)}; it must "
+                          f"return (activations of the same shape and dtype, None) {contract}")  # fmt: skip
+    logits = build(pieces.Head, x)
+    wanted = jax.ShapeDtypeStruct((*tokens.shape, config.vocab_size), jnp.float32)
+    if _shape_text(logits) != _shape_text(wanted):
+        raise ConfigError(f"{where} Head returns {_shape_text(logits)}; it must return float32 logits "
+                          f"{_shape_text(wanted)} (batch, length, --vocab-size) {contract}")  # fmt: skip
+
+
+def logical_names(config: Config) -> list:
+    """(path, box) of every parameter, its box holding the logical names of its axes."""
+    boxed = jax.eval_shape(lambda: init_params(make_model(config), jax.random.key(0)))
+    leaves = jax.tree_util.tree_leaves_with_path(boxed, is_leaf=_is_boxed)
+    return [(jax.tree_util.keystr(path, simple=True, separator="/"), box) for path, box in leaves]
+
+
+def _is_boxed(x):
+    return isinstance(x, nn.meta.AxisMetadata)
+
+
+def _shape_text(x) -> str:
+    if isinstance(x, tuple):
+        return "(" + ", ".join(map(_shape_text, x)) + ")"
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return f"{x.dtype}{list(x.shape)}"
+    return repr(x)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -440,10 +570,54 @@ class TextData:
         return np.stack(rows).astype(np.int32)
 
 
+class TextFile:
+    """A local text file read as bytes (vocabulary 256), like nanoGPT's shakespeare_char: its
+    first 90% to train on, the rest held out. Each row of a batch is a window of seq_len + 1
+    bytes at a place drawn from (seed, split, step, row), as in TextData."""
+
+    loss_floor = None  # unknown for real text
+
+    def __init__(self, config: Config):
+        self.seed, self.seq_len, path = config.seed, config.seq_len, config.dataset
+        require(os.path.isfile(path), "dataset", f"{path} is not a file, e.g. --dataset input.txt")
+        data = np.fromfile(path, np.uint8)
+        cut = len(data) * 9 // 10
+        self.splits = {"train": data[:cut], "eval": data[cut:]}
+        shortest = min(len(text) for text in self.splits.values())
+        require(
+            shortest > self.seq_len,
+            "dataset",
+            f"{path} is too short: its held-out tenth has {shortest} bytes, fewer than --seq-len + 1; give a file of "
+            f"at least {10 * (self.seq_len + 1):,} bytes, or a smaller --seq-len",
+        )
+        self.describe_text = f"{path} as bytes, {len(data):,} of them, the last tenth held out"
+
+    def describe(self) -> str:
+        return self.describe_text
+
+    def batch(self, step: int, start: int, stop: int, split: str = "train") -> np.ndarray:
+        """Rows [start, stop) of batch `step` of a split ('train' or 'eval'): int32 [rows, seq_len + 1]."""
+        text = self.splits[split]
+        places = [
+            np.random.default_rng((self.seed, SPLITS[split], step, row)).integers(len(text) - self.seq_len)
+            for row in range(start, stop)
+        ]
+        return np.stack([text[place : place + self.seq_len + 1] for place in places]).astype(np.int32)
+
+
+def is_text_file(dataset: str) -> bool:
+    return dataset.endswith(".txt") or os.sep in dataset or os.path.isfile(dataset)
+
+
+# Your own data plugs in here: an object with describe(), loss_floor (None if unknown) and
+# batch(step, start, stop, split), which returns rows [start, stop) of global batch `step` as
+# int32 tokens [rows, seq_len + 1], the same rows for the same arguments on any process.
 @functools.cache  # one dataset per config: setup() opens it to check it, main() reads it
 def load_dataset(config: Config):
     if config.dataset == "synthetic":
         return SyntheticData(config.seed, config.seq_len, config.vocab_size)
+    if is_text_file(config.dataset):
+        return TextFile(config)
     return TextData(config, _tfds_builder(config))
 
 
@@ -535,7 +709,7 @@ def make_optimizer(config: Config, global_norm: Callable = optax.tree.norm):
 
 
 def create_state(
-    config: Config, model: GPT, params_fn: Callable = nn.unbox, global_norm: Callable = optax.tree.norm
+    config: Config, model: Model, params_fn: Callable = nn.unbox, global_norm: Callable = optax.tree.norm
 ) -> TrainState:
     """The initial TrainState. `params_fn` maps the logically boxed parameters to what the
     optimizer and the model will hold: plain arrays by default; fsdp.py boxes them anew.
@@ -543,7 +717,7 @@ def create_state(
     init_rng, dropout_rng = jax.random.split(jax.random.key(config.seed))
     return TrainState.create(
         apply_fn=model.apply,
-        params=params_fn(init_params(config, init_rng)),
+        params=params_fn(init_params(model, init_rng)),
         tx=make_optimizer(config, global_norm),
         rng=dropout_rng,
     )
@@ -645,7 +819,7 @@ def check_flags(config: Config):
         value = getattr(config, field.name)
         if isinstance(value, float):  # the run computes in float32, where 1e39 is already infinite
             require(
-                math.isfinite(value) and abs(value) <= np.finfo(np.float32).max,
+                math.isfinite(value) and abs(value) <= float(np.finfo(np.float32).max),
                 field.name,
                 f"must be a finite float32 number (at most 3.4e38), {example(field.name)}",
             )
@@ -790,8 +964,13 @@ def setup(config: Config):
 
 
 def _stop_while_starting(signum, frame):
+    """Ctrl-C before the first step: nothing was trained or saved, so nothing needs finishing.
+    Exit at once rather than raise SystemExit from wherever the main thread is: raised inside
+    JAX's backend start-up, it skips the cancel of a 60-second timer thread (xla_bridge's TPU
+    warning), and the interpreter would wait for that thread before exiting."""
     print("Ctrl-C: stopped while starting, before any step; nothing was trained or saved", file=sys.stderr, flush=True)
-    raise SystemExit(130)
+    sys.stdout.flush()
+    os._exit(130)
 
 
 class _StdoutOfAPipe:
@@ -1565,7 +1744,7 @@ def _compare_with_checkpoint(config: Config, step: int, flags: dict, saved_param
                 f"{getattr(config, name)} differs from {flags[name]} in {where}, which changes what its weights "
                 f"mean; resume with --{name.replace('_', '-')} {flags[name]} or give another --checkpoint-dir",
             )
-    expected = jax.eval_shape(lambda: nn.unbox(init_params(config, jax.random.key(0))))
+    expected = jax.eval_shape(lambda: nn.unbox(init_params(make_model(config), jax.random.key(0))))
 
     def shapes(tree):
         return {
@@ -1611,16 +1790,17 @@ PEAK_FLOPS = (
 
 def model_shapes(config: Config):
     """The abstract initial TrainState (shapes and dtypes only): the model's full size."""
-    return jax.eval_shape(lambda: create_state(config, GPT(config)))
+    return jax.eval_shape(lambda: create_state(config, make_model(config)))
 
 
 def flops_per_token(config: Config, params) -> int:
     """Training FLOPs per token: 6 per matmul parameter (forward 2, backward 4) plus the
-    attention scores and their use, 6 * 2 * layers * seq_len * d_model (PaLM, appendix B).
-    The embedding tables are lookups, not matmuls, so they are left out."""
-    embed = params["embed"]
-    tables = embed["token"]["embedding"].size + embed["position"]["embedding"].size
-    matmul_params = sum(x.size for x in jax.tree.leaves(params)) - tables
+    attention scores and their use, 6 * 2 * layers * seq_len * d_model (PaLM, appendix B,
+    which takes the attention's width to be d_model). Embedding tables (nn.Embed's parameter
+    'embedding', whatever the model) are lookups, not matmuls, so they are left out."""
+    leaves = jax.tree_util.tree_leaves_with_path(params)
+    tables = sum(x.size for path, x in leaves if getattr(path[-1], "key", None) == "embedding")
+    matmul_params = sum(x.size for _, x in leaves) - tables
     return 6 * matmul_params + 12 * config.layers * config.seq_len * config.d_model
 
 

@@ -41,7 +41,10 @@ import flax.linen as nn
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-# Logical axis name -> mesh axis (or axes). Names without a rule are not split.
+# Logical axis name -> mesh axis (or axes). A parameter axis whose name has no rule is not
+# split, if UNSPLIT names it; any other name stops the run (exit 2), so that a new model's
+# parameter is never replicated unseen: give it a rule, or add its name to UNSPLIT.
+UNSPLIT = ("vocab", "pos", "embed", "heads", "kv_heads", "mlp", "norm", "layers")
 RULES = {
     "dp": (("batch", ("data", "model")),),
     "fsdp": (("batch", ("data", "model")), ("embed", ("data", "model"))),
@@ -88,13 +91,27 @@ class Config(common.Config):
     def validate(self):
         common.require(self.rules in RULES, "rules", f"must be one of {', '.join(RULES)}")
         super().validate()
-        for name, size in (("heads", self.heads), ("mlp", 4 * self.d_model), ("embed", self.d_model)):
-            common.require(
-                size % self.axis_size(name) == 0,
-                "mesh",
-                f"splits '{name}' {self.axis_size(name)} ways under --rules {self.rules}, "
-                f"which does not divide its size {size}; {self.example()}",
-            )
+        common.require(
+            self.heads % self.axis_size("heads") == 0,
+            "mesh",
+            f"splits 'heads' {self.axis_size('heads')} ways under --rules {self.rules}, which does not divide "
+            f"--heads {self.heads}; {self.example()}",
+        )
+        ruled = dict(RULES[self.rules])
+        for path, box in common.logical_names(self):
+            for name, size in zip(box.names, box.value.shape, strict=True):
+                common.require(
+                    name is None or name in ruled or name in UNSPLIT,
+                    "rules",
+                    f"{self.rules} has no rule for the axis '{name}' of {path} {box.value.shape}, and UNSPLIT does not "
+                    "name it: add a rule for it to RULES, or add it to UNSPLIT to keep it whole",
+                )
+                common.require(
+                    size % self.axis_size(name) == 0,
+                    "mesh",
+                    f"splits '{name}' {self.axis_size(name)} ways under --rules {self.rules}, which does not divide "
+                    f"its size {size} in {path}; {self.example()}",
+                )
 
     def example(self):
         """A valid --heads, or else --d-model, for these rules and this mesh."""

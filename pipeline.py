@@ -261,24 +261,25 @@ def stage_forward(params, x, tokens, rng, config):
     place of the input `x`), this stage's blocks, and on the last stage the head and the summed
     loss (0 elsewhere). Returns the stage's output activation and that loss."""
     stage, stages = lax.axis_index("stage"), lax.axis_size("stage")
+    model = common.model_pieces(config.model)  # its Embed, Block and Head
     train = config.dropout > 0
     rngs = {"dropout": rng} if train else None
 
     def embed():
-        return common.Embed(config).apply({"params": params["embed"]}, tokens[:, :-1], not train, rngs=rngs)
+        return model.Embed(config).apply({"params": params["embed"]}, tokens[:, :-1], not train, rngs=rngs)
 
     x = lax.cond(stage == 0, embed, lambda: x)
 
     def block(x, layer):
         block_params, i = layer
         block_rngs = {"dropout": jax.random.fold_in(rng, i)} if train else None
-        return common.Block(config).apply({"params": block_params}, x, not train, rngs=block_rngs)[0], None
+        return model.Block(config).apply({"params": block_params}, x, not train, rngs=block_rngs)[0], None
 
     layers = jax.tree.leaves(params["blocks"])[0].shape[0]
     x, _ = lax.scan(block, x, (params["blocks"], stage * layers + jnp.arange(layers)))
 
     def loss():
-        logits = common.Head(config).apply({"params": params["head"]}, x, not train, rngs=rngs)
+        logits = model.Head(config).apply({"params": params["head"]}, x, not train, rngs=rngs)
         return common.cross_entropy(logits, tokens[:, 1:]).sum()
 
     return x, lax.cond(stage == stages - 1, loss, lambda: jnp.zeros((), jnp.float32))
@@ -293,7 +294,10 @@ def pipeline_gradients(params, batch, rng, config, table):
     # Micro-batch i takes rows i, i + m, i + 2m, ... (as common.accumulate_gradients does).
     pieces = batch.reshape(-1, microbatches, batch.shape[-1]).swapaxes(0, 1)
     slots, grad_slots = in_flight(table, 2), in_flight(table, 3)
-    activation = jnp.zeros((pieces.shape[1], config.seq_len, config.d_model), config.dtype)
+    # What passes between stages: the embedding's output, of the shape of every block's.
+    embed = common.model_pieces(config.model).Embed(config)
+    activation = jax.eval_shape(lambda: embed.apply({"params": params["embed"]}, pieces[0][:, :-1], True))
+    activation = jnp.zeros(activation.shape, activation.dtype)
     to_next = [(s, s + 1) for s in range(stages - 1)]
     to_previous = [(s + 1, s) for s in range(stages - 1)]
     loss_scale = 1.0 / (pieces.shape[0] * pieces.shape[1] * config.seq_len)  # the mean over this device's tokens

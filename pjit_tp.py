@@ -7,8 +7,9 @@ first matmul of attention (qkv, which makes each head's query, key and value) an
 (attn/out, fc2) by input rows, so each device turns its own heads and units into a partial
 sum. The token embedding and the head are split along the vocabulary, so each device makes
 only its part of the logits. PARAM_SPECS says this per parameter path, and the Adam moments,
-whose paths end with the parameter's, follow it. Everything else is replicated. The global batch is split by rows
-over the mesh axis 'data' (P('data')), each device taking an equal share.
+whose paths end with the parameter's, follow it; it replicates the small rest by name, so a
+parameter it forgets stops the run instead of being replicated unseen. The global batch is
+split by rows over the mesh axis 'data' (P('data')), each device taking an equal share.
 A step: the step is written for one device, and jit partitions it (GSPMD) from the
 shardings of its inputs and outputs, inserting the collectives itself.
 Collectives per step: per block, an all-reduce over 'model' of the partial sums after
@@ -60,6 +61,7 @@ class Config(common.Config):
             "mesh",
             f"model={model} must divide --heads {self.heads}, e.g. --mesh data={auto['data']},model={auto['model']}",
         )
+        jax.tree_util.tree_map_with_path(state_spec, common.model_shapes(self))  # every parameter in PARAM_SPECS
 
 
 def make_mesh(config):
@@ -68,7 +70,8 @@ def make_mesh(config):
     return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
-# Parameter path pattern -> how its axes are split; the first match wins.
+# Parameter path pattern -> how its axes are split; the first match wins. A parameter that no
+# pattern matches stops the run before anything is compiled (exit 2, naming it): P() replicates.
 PARAM_SPECS = (
     (r"attn/qkv/kernel", P(None, "model")),  # [embed, heads x (query, key, value) x head_dim]
     (r"attn/out/kernel", P("model", None)),  # [heads x head_dim, embed]
@@ -77,19 +80,27 @@ PARAM_SPECS = (
     (r"mlp/fc2/kernel", P("model", None)),  # [mlp, embed]
     (r"embed/token/embedding", P("model", None)),  # [vocab, embed]: each device a part of the vocabulary
     (r"head/out/kernel", P(None, "model")),  # [embed, vocab]: each device the logits of its part
-    (r"", P()),  # the rest: position embeddings, LayerNorms, output biases, step counters
+    (r"embed/position/embedding|ln\w*/(scale|bias)|out/bias|fc2/bias", P()),  # replicated: small
 )
 BATCH_SPEC = P("data")  # rows split over 'data'
 
 
-def state_shardings(abstract_state, mesh):
-    def sharding(path, leaf):
-        name = jax.tree_util.keystr(path, simple=True, separator="/")
-        spec = next(spec for pattern, spec in PARAM_SPECS if re.search(pattern, name))
-        # With --scan-layers the blocks are stacked: the stacking axis comes first, unsplit.
-        return NamedSharding(mesh, P(*[None] * (leaf.ndim - len(spec)), *spec) if spec else spec)
+def state_spec(path, leaf):
+    """The PartitionSpec of one leaf of the state: its parameter's (Adam's moments end with the
+    parameter's path), or P() for a number (step counters, the random key)."""
+    name = jax.tree_util.keystr(path, simple=True, separator="/")
+    spec = next((spec for pattern, spec in PARAM_SPECS if re.search(pattern, name)), None if leaf.ndim else P())
+    if spec is None:
+        raise common.ConfigError(
+            f"{name} {tuple(leaf.shape)} is in no entry of pjit_tp.py's PARAM_SPECS: add one saying how it is split "
+            "(P() replicates it)"
+        )
+    # With --scan-layers the blocks are stacked: the stacking axis comes first, unsplit.
+    return P(*[None] * (leaf.ndim - len(spec)), *spec) if spec else spec
 
-    return jax.tree_util.tree_map_with_path(sharding, abstract_state)
+
+def state_shardings(abstract_state, mesh):
+    return jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, state_spec(path, x)), abstract_state)
 
 
 def init_state(config, mesh, shapes_only=False):

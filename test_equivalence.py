@@ -22,14 +22,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import common
 import context_parallel
 import fsdp
 import pipeline
+import pjit_tp
 from tests.harness import (
     ALL, DATA_GROUPS, DEFAULTS, DEVICES, MODEL_GROUPS, PROCESSES, RTOL, SMALL, STRATEGIES,
-    as_flags, cluster, collectives, replica_groups, run, shard_shapes, state_bytes,
+    as_flags, cluster, collectives, replica_groups, run, run_uncached, shard_shapes, state_bytes,
     wait_ok,
 )  # fmt: skip
 
@@ -65,7 +67,7 @@ def reference(**overrides):
     """The same training, with no parallelism at all: plain jax.jit on one device."""
     config = common.Config(**{**SMALL, **overrides})
     dataset = common.load_dataset(config)
-    state = jax.jit(functools.partial(common.create_state, config, common.GPT(config)))()
+    state = jax.jit(functools.partial(common.create_state, config, common.make_model(config)))()
 
     @jax.jit
     def train_step(state, batch, conditioned):
@@ -134,6 +136,24 @@ def compare(name, result, ref):
 def test_matches_single_device_reference(name):
     compare(name, run(name), reference())
     assert run(name).losses[-1] < run(name).losses[0] - 1  # and it learned something
+
+
+# What a user adds to pjit_tp.py's PARAM_SPECS to train tests/llama.py (the other scripts need
+# nothing): its parameters' names, in the Megatron layout.
+LLAMA_SPECS = (
+    (r"/(q|gate|up)/kernel", P(None, "model")),  # by output columns: whole heads, hidden units
+    (r"/(o|down)/kernel", P("model", None)),  # by input rows: partial sums
+    (r"/kv/kernel", P()),  # 2 key/value heads, fewer than model=4: kept whole, as Megatron does
+    (r"norm/scale", P()),
+)
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_a_model_the_scripts_do_not_know_matches(name, monkeypatch):
+    """tests/llama.py (RMSNorm, rotary positions, SwiGLU, no biases, untied head, grouped-query
+    attention) through every script and preset, against one device training it."""
+    monkeypatch.setattr(pjit_tp, "PARAM_SPECS", LLAMA_SPECS + pjit_tp.PARAM_SPECS)
+    compare(name, run_uncached(name, model="tests.llama"), reference(model="tests.llama"))
 
 
 @pytest.mark.parametrize("name", DEFAULTS.values())

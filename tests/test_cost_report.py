@@ -87,7 +87,7 @@ def test_scanned_layers_cost_the_same_communication(name):
     scanned, unscanned = cost(name, scan_layers=True)[1], cost(name)[1]
     config = common.Config(**SMALL)
     params = jax.tree_util.tree_leaves_with_path(
-        jax.eval_shape(lambda: nn.unbox(common.init_params(config, jax.random.key(0))))
+        jax.eval_shape(lambda: nn.unbox(common.init_params(common.make_model(config), jax.random.key(0))))
     )
     kernels = {  # bytes of the blocks' kernels, and of the head's
         where: sum(
@@ -164,10 +164,10 @@ def test_remat_keeps_less_for_the_backward_pass():
     def residual_bytes(**overrides):
         config = common.Config(**{**SMALL, **overrides})
         model, tokens = (
-            common.GPT(config),
+            common.make_model(config),
             jax.numpy.zeros((SMALL["batch_size"] // DEVICES, config.seq_len + 1), "int32"),
         )
-        params = nn.unbox(common.init_params(config, jax.random.key(0)))
+        params = nn.unbox(common.init_params(model, jax.random.key(0)))
         vjp = jax.eval_shape(lambda p: jax.vjp(lambda p: common.loss_fn(p, model.apply, tokens, None)[0], p)[1], params)
         return sum(map(common.nbytes, jax.tree.leaves(vjp)))
 
@@ -204,7 +204,7 @@ def test_show_sharding_prints_every_parameter(tmp_path):
         if line.startswith(("block_", "embed/", "head/")) and not line.endswith("over the devices:")
     )
     config = fsdp.Config(steps=3, batch_size=8, seq_len=16, layers=1, d_model=32)
-    expected = jax.eval_shape(lambda: nn.unbox(common.init_params(config, jax.random.key(0))))
+    expected = jax.eval_shape(lambda: nn.unbox(common.init_params(common.make_model(config), jax.random.key(0))))
     names = [
         jax.tree_util.keystr(path, simple=True, separator="/")
         for path, _ in jax.tree_util.tree_leaves_with_path(expected)
@@ -217,7 +217,7 @@ def test_show_sharding_prints_every_parameter(tmp_path):
 
 def test_benchmark_writes_the_table_and_the_picture(tmp_path):
     done = subprocess.run(
-        [sys.executable, ROOT / "benchmarks" / "benchmark.py", "--only", "shardmap_dp,fsdp", "--no-readme",
+        [sys.executable, ROOT / "benchmarks" / "benchmark.py", "--only", "shardmap_dp,fsdp", "--no-remat",
          "--out", tmp_path, "--", *TINY, "--eval-every", "2"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
