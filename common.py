@@ -384,12 +384,13 @@ def check_model(config: Config):
     """The model contract, checked piece by piece on shapes alone (nothing is computed or
     compiled): ConfigError naming the piece or parameter that breaks it, and what to do."""
     pieces = model_pieces(config.model)
-    rng, tokens = jax.random.key(0), jax.ShapeDtypeStruct((2, config.seq_len), jnp.int32)
+    tokens = jax.ShapeDtypeStruct((2, config.seq_len), jnp.int32)
     where = f"--model {config.model}:"
     contract = "(common.py's model contract; README: Your own model and data)"
 
     def build(piece, x):
-        out, variables = jax.eval_shape(lambda x: piece(config).init_with_output(rng, x, True), x)
+        # The random key is made inside eval_shape too: made outside, it would be computed (compiled).
+        out, variables = jax.eval_shape(lambda x: piece(config).init_with_output(jax.random.key(0), x, True), x)
         for path, leaf in jax.tree_util.tree_leaves_with_path(variables.get("params", {}), is_leaf=_is_boxed):
             name = f"{piece.__name__}'s parameter {jax.tree_util.keystr(path, simple=True, separator='/')}"
             if not isinstance(leaf, nn.LogicallyPartitioned):
@@ -1928,12 +1929,10 @@ def show_sharding(params):
     print("parameter".ljust(widths[0]), "shape".ljust(widths[1]), "spec".ljust(widths[2]), "bytes/device")
     for name, shape, spec, size in rows:
         print(name.ljust(widths[0]), shape.ljust(widths[1]), spec.ljust(widths[2]), f"{size:,}")
-    # The drawing: block 0's fc1 kernel, which every strategy but data parallelism splits.
+    # The drawing: the largest matrix the strategy splits (the first of equals), or the largest.
     drawable = {name: x for name, x in leaves if x.ndim == 2}
-    name = next(
-        (n for n in drawable if n.endswith("mlp/fc1/kernel")),
-        max(drawable, key=lambda n: drawable[n].size, default=None),
-    )
+    split = {name: x for name, x in drawable.items() if not x.sharding.is_fully_replicated} or drawable
+    name = max(split, key=lambda n: split[n].size, default=None)
     if name:
         print(f"{name} {drawable[name].shape} over the devices:")
         jax.debug.visualize_array_sharding(drawable[name])

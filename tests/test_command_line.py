@@ -131,7 +131,9 @@ def test_debug_nans_turns_on_jax_nan_checks(tmp_path):
     # As users run it: with conftest.py's lower XLA backend optimisation level, JAX's check
     # did not fire here (the run still stopped at the NaN loss, by the scripts' own check).
     env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
-    done = run_script("shardmap_dp", tmp_path, *TINY, "--steps", "50", "--lr", "1e6", "--debug-nans", env=env)
+    # One device: JAX re-runs the failing step op by op, 100 s on 8 emulated devices, 20 s on one.
+    flags = [*TINY, "--steps", "6", "--lr", "1e6", "--debug-nans", "--cpu-devices", "1"]
+    done = run_script("shardmap_dp", tmp_path, *flags, env=env)
     assert done.returncode != 0
     assert re.search(r"FloatingPointError: .*nan", done.stderr), done.stderr[-3000:]
     assert "stopped: the loss is nan" not in done.stderr

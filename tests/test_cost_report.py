@@ -141,10 +141,10 @@ def test_fsdp_moves_each_parameter_twice_at_most():
 
 
 def test_fsdp_state_per_device_scales_as_one_over_n(tmp_path):
-    """The default model on 2, 4, 8 and 16 emulated devices: state bytes per device within 5%
-    of total / N."""
+    """The default model on 2 and 16 emulated devices (8: test_equivalence.py): state bytes per
+    device within 5% of total / N."""
     ratios = {}
-    for n in (2, 4, 8, 16):
+    for n in (2, 16):
         metrics = tmp_path / f"{n}.jsonl"
         done = run_script(
             "fsdp", tmp_path, "--steps=1", "--eval-every=0", f"--cpu-devices={n}", f"--metrics-file={metrics}"
@@ -212,7 +212,10 @@ def test_show_sharding_prints_every_parameter(tmp_path):
     assert sorted(table) == sorted(names)
     fc1 = " ".join(table["block_0/mlp/fc1/kernel"])
     assert "(32, 128)" in fc1 and "'data'" in fc1 and fc1.endswith(f"{32 * 128 * 4 // DEVICES:,}")
-    assert "block_0/mlp/fc1/kernel (32, 128) over the devices" in done.stdout  # the drawing's title
+    # The drawing: the largest parameter it splits (FSDP splits all), the first of equals.
+    matrices = [(path, x.shape) for path, x in zip(names, jax.tree.leaves(expected), strict=True) if x.ndim == 2]
+    path, shape = max(matrices, key=lambda m: m[1][0] * m[1][1])
+    assert path == "embed/token/embedding" and f"{path} {shape} over the devices" in done.stdout, done.stdout
 
 
 def test_benchmark_writes_the_table_and_the_picture(tmp_path):

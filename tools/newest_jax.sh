@@ -14,7 +14,7 @@
 set -euo pipefail
 project=$(cd "$(dirname "$0")/.." && pwd)
 root=${NEWEST_JAX_ROOT:-/var/tmp/newest-jax-root}
-packages="jax flax optax orbax-checkpoint tensorflow-datasets pytest matplotlib"
+packages="jax flax optax orbax-checkpoint tensorflow-datasets importlib_resources pytest pytest-xdist matplotlib"
 
 if [ ! -x "$root/usr/bin/python3" ]; then
   command -v debootstrap >/dev/null || { apt-get update -qq && apt-get install -y -qq debootstrap; }
