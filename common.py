@@ -68,6 +68,13 @@ class Config:
     dtype: str = arg("float32", "compute dtype; parameters stay float32", choices=("float32", "bfloat16"))
     vocab_size: int = arg(256, "tokens of the synthetic source, e.g. 50304 as GPT-2's; text is read as bytes: 256")
     model: str = arg("gpt", "the model: gpt, or a Python file or module of your own defining Embed, Block and Head")
+    experts: int = arg(0, "mixture of experts: every block's MLP becomes this many expert MLPs and a router (0: dense)")
+    top_k: int = arg(2, "with --experts: the experts each token goes to, their outputs weighted by the router")
+    capacity_factor: float = arg(
+        2.0, "with --experts: an expert takes at most this times its fair share of a sequence's tokens, and the "
+        "rest of them skip it (counted as dropped); 0: no limit, no token dropped"
+    )  # fmt: skip
+    router_aux_weight: float = arg(0.01, "with --experts: weight of the load-balancing loss added to the loss")
     microbatches: int = arg(1, "gradient accumulation: sequential micro-batches per step")
     scan_layers: bool = arg(False, "run the blocks with nn.scan: one compiled block, not --layers")
     remat: bool = arg(False, "recompute each block's activations in the backward pass instead of keeping them")
@@ -121,8 +128,11 @@ class Config:
 #   1. Three Flax linen module classes named Embed, Block and Head, each a Piece: built as
 #      Piece(config, attend, positions), called as piece(x, deterministic).
 #        Embed: tokens [batch, length] int32 -> activations [batch, length, features];
-#        Block: activations -> (activations of the same shape and dtype, None), --layers of
-#               them in turn ((carry, output): the signature nn.scan iterates);
+#        Block: activations -> (activations of the same shape and dtype, sums), --layers of
+#               them in turn ((carry, output): the signature nn.scan iterates). sums is None,
+#               or a dict of float32 sums over the block's rows, which add up over blocks,
+#               devices and micro-batches into the metrics; 'aux_loss_sum' joins the loss,
+#               counted per token (MoeMlp's load balance).
 #        Head:  activations -> logits [batch, length, --vocab-size] in float32.
 #      Model below puts them together: that is where fsdp.py's gather, --remat and
 #      --scan-layers go, and pipeline.py runs the pieces one by one on their stages.
@@ -132,7 +142,7 @@ class Config:
 #   3. Attention goes through self.attend(q, k, v) (q, k, v [batch, length, heads, head_dim],
 #      causal) and token positions come from self.positions(length): context_parallel.py, where
 #      each device holds pieces of every sequence, passes ring attention and the positions of
-#      its pieces.
+#      its pieces. A mixture of experts reaches its experts through self.to_experts (MoeMlp).
 #   4. No parameter is shared between pieces (pipeline.py places them on different devices):
 #      an untied head. Randomness only from Flax's 'dropout' rng (nn.Dropout).
 #
@@ -187,12 +197,20 @@ def causal_attention(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
 
+def experts_here(experts, x):
+    """Run the experts on the tokens dispatched to them, on this device. x: [experts, rows,
+    capacity, features], each expert's slots. (expert_parallel.py passes its own: an all-to-all
+    to the devices holding the experts, and one back.)"""
+    return experts(x)
+
+
 class Piece(nn.Module):
     """What each piece of a model is built with (the contract above)."""
 
     config: Config
     attend: Callable = causal_attention
     positions: Callable = sequence_positions
+    to_experts: Callable = experts_here
 
 
 class Embed(Piece):
@@ -240,13 +258,93 @@ class Mlp(nn.Module):
         return nn.Dropout(c.dropout)(x, deterministic=deterministic)
 
 
+def capacity(config: Config, length: int) -> int:
+    """Slots per expert per sequence: --capacity-factor times its fair share of the sequence's
+    length x top-k choices, and never more than the length (then no token can be dropped)."""
+    fair = length * config.top_k / config.experts
+    return length if not config.capacity_factor else min(length, math.ceil(config.capacity_factor * fair))
+
+
+class ExpertDense(nn.Module):
+    """A Dense layer per expert, side by side: [experts, ..., in] -> [experts, ..., features]."""
+
+    config: Config
+    features: int
+    names: tuple  # the logical names of one expert's kernel
+    scale: float = 1.0
+
+    @nn.compact
+    def __call__(self, x):
+        # As many experts as x brings: all of them, or a device's own (expert_parallel.py).
+        experts = x.shape[0]
+        kernel = self.param("kernel", _init(("expert", *self.names), self.scale), (experts, x.shape[-1], self.features))
+        bias = self.param("bias", _zeros(("expert", self.names[-1])), (experts, self.features))
+        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.config.dtype)
+        return jnp.einsum("e...d,edf->e...f", x, kernel) + bias.reshape(bias.shape[0], *[1] * (x.ndim - 2), -1)
+
+
+class MoeMlp(nn.Module):
+    """A mixture of --experts MLPs (GShard, Switch): a router sends each token to its --top-k
+    experts, whose outputs, weighted by the router's probabilities, are summed.
+
+    Routing is decided per sequence, so it is the same computation however the batch is split:
+    each expert takes at most `capacity` of a sequence's tokens (first choices first, then in
+    order), the rest of its tokens skip it, counted as dropped. Tokens reach their experts as a
+    fixed-size buffer [experts, rows, capacity, features] (one-hot dispatch, as in GShard), which
+    `to_experts` runs. Also returns sums over the rows: the load-balancing loss, tokens per
+    expert and tokens dropped (see Block)."""
+
+    config: Config
+    to_experts: Callable = experts_here
+
+    @nn.compact
+    def __call__(self, x, deterministic):
+        c = self.config
+        rows, length, _ = x.shape
+        slots = capacity(c, length)
+        # The router works in float32: which expert a token goes to must not hang on rounding.
+        router = nn.Dense(c.experts, use_bias=False, dtype=jnp.float32, kernel_init=_init(("embed", None)), name="router")
+        probs = jax.nn.softmax(router(x.astype(jnp.float32)))  # [rows, length, experts]
+        gate, expert = jax.lax.top_k(probs, c.top_k)  # [rows, length, k]
+        gate = gate / gate.sum(-1, keepdims=True)
+        chosen = jax.nn.one_hot(expert, c.experts)  # [rows, length, k, experts]
+        # A token's slot in its expert: first choices of the whole sequence come first, then
+        # second choices, each in order along the sequence. Slots past `slots` are dropped:
+        # one_hot gives them no slot at all.
+        order = chosen.swapaxes(1, 2).reshape(rows, c.top_k * length, c.experts)
+        taken = (jnp.cumsum(order, axis=1) - 1).reshape(rows, c.top_k, length, c.experts).swapaxes(1, 2)
+        slot = jax.nn.one_hot(jnp.sum(taken * chosen, -1).astype(jnp.int32), slots)  # [rows, length, k, slots]
+        dispatch = jnp.einsum("blke,blks->bles", chosen, slot)
+        combine = jnp.einsum("blke,blks->bles", chosen * gate[..., None], slot)
+        fc1 = ExpertDense(c, 4 * c.d_model, ("embed", "mlp"), name="fc1")
+        fc2 = ExpertDense(c, c.d_model, ("mlp", "embed"), _residual_scale(c), name="fc2")
+        tokens = jnp.einsum("bles,bld->ebsd", dispatch.astype(x.dtype), x)
+        out = self.to_experts(lambda t: fc2(nn.gelu(fc1(t))), tokens)
+        x = jnp.einsum("ebsd,bles->bld", out, combine.astype(out.dtype))
+        # Load balance (Switch Transformer, eq. 4, per sequence): experts x sum over experts of
+        # (share of the sequence's choices it got) x (its mean router probability); 1 when even.
+        # Counted once per token, so that it adds up like the cross-entropy.
+        balance = c.experts * jnp.sum(chosen.mean((1, 2)) * probs.mean(1), -1)
+        per_expert = dispatch.sum((0, 1, 3))
+        stats = {
+            "aux_loss_sum": c.router_aux_weight * length * balance.sum(),
+            "expert_tokens": per_expert,
+            "dropped_tokens": rows * length * c.top_k - per_expert.sum(),
+        }
+        return nn.Dropout(c.dropout)(x, deterministic=deterministic), stats
+
+
 class Block(Piece):
     @nn.compact
     def __call__(self, x, deterministic):
         x = x + Attention(self.config, self.attend, name="attn")(_layer_norm(self.config, "ln1")(x), deterministic)
-        x = x + Mlp(self.config, name="mlp")(_layer_norm(self.config, "ln2")(x), deterministic)
-        x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
-        return x, None  # (carry, output): the signature nn.scan iterates
+        h = _layer_norm(self.config, "ln2")(x)
+        if self.config.experts:
+            h, stats = MoeMlp(self.config, self.to_experts, name="mlp")(h, deterministic)
+        else:
+            h, stats = Mlp(self.config, name="mlp")(h, deterministic), None
+        x = nn.with_logical_constraint(x + h, ("batch", "length", "act_embed"))
+        return x, stats  # (carry, output): the signature nn.scan iterates
 
 
 class Head(Piece):
@@ -312,11 +410,13 @@ def unwrapped(module_class):
 
 
 class Model(nn.Module):
-    """A model's pieces put together: the embedding, --layers blocks, the head.
+    """A model's pieces put together: the embedding, --layers blocks, the head. Returns the
+    logits and what the blocks report, added up over the blocks ({} for the dense GPT).
 
     `wrap` is applied to each piece's class before the piece is built; fsdp.py passes one that
-    all-gathers a piece's parameters just before it runs. `attend` and `positions` go to every
-    piece: context_parallel.py, where each device holds a piece of every sequence, passes its own.
+    all-gathers a piece's parameters just before it runs. `attend`, `positions` and `to_experts`
+    go to every piece: context_parallel.py, where each device holds a piece of every sequence,
+    passes its own attention and positions; expert_parallel.py its way to the experts.
     """
 
     config: Config
@@ -324,11 +424,13 @@ class Model(nn.Module):
     wrap: Callable[[type], type] = unwrapped
     attend: Callable = causal_attention
     positions: Callable = sequence_positions
+    to_experts: Callable = experts_here
 
     @nn.compact
     def __call__(self, tokens, deterministic: bool = True):
         c, (embed, block, head) = self.config, self.pieces
-        x = self.wrap(embed)(c, self.attend, self.positions, name="embed")(tokens, deterministic)
+        hooks = (self.attend, self.positions, self.to_experts)
+        x = self.wrap(embed)(c, *hooks, name="embed")(tokens, deterministic)
         block = self.wrap(block)
         if c.remat:  # keep only each block's input; the backward pass runs the block again
             block = nn.remat(block, static_argnums=(2,))
@@ -341,11 +443,14 @@ class Model(nn.Module):
                 length=c.layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, _ = blocks(c, self.attend, self.positions, name="blocks")(x, deterministic)
+            x, stats = blocks(c, *hooks, name="blocks")(x, deterministic)
+            stats = jax.tree.map(lambda s: s.sum(0), stats)
         else:
+            stats = None
             for i in range(c.layers):
-                x, _ = block(c, self.attend, self.positions, name=f"block_{i}")(x, deterministic)
-        return self.wrap(head)(c, self.attend, self.positions, name="head")(x, deterministic)
+                x, more = block(c, *hooks, name=f"block_{i}")(x, deterministic)
+                stats = more if stats is None else jax.tree.map(jnp.add, stats, more)
+        return self.wrap(head)(c, *hooks, name="head")(x, deterministic), stats or {}
 
 
 # Cached, one model per config and wrap: the TrainState holds the model's apply method in its
@@ -356,8 +461,9 @@ def make_model(
     wrap: Callable[[type], type] = unwrapped,
     attend: Callable = causal_attention,
     positions: Callable = sequence_positions,
+    to_experts: Callable = experts_here,
 ) -> Model:
-    return Model(config, model_pieces(config.model), wrap=wrap, attend=attend, positions=positions)
+    return Model(config, model_pieces(config.model), wrap, attend, positions, to_experts)
 
 
 def init_params(model: Model, rng):
@@ -406,9 +512,14 @@ def check_model(config: Config):
         raise ConfigError(f"{where} Embed returns {_shape_text(x)} for tokens {_shape_text(tokens)}; it must return "
                           f"activations [batch, length, features] {contract}")  # fmt: skip
     out = build(pieces.Block, x)
-    if not (isinstance(out, tuple) and len(out) == 2 and out[1] is None and _shape_text(out[0]) == _shape_text(x)):
+    sums = out[1] if isinstance(out, tuple) and len(out) == 2 else None
+    if not (
+        isinstance(out, tuple) and len(out) == 2 and _shape_text(out[0]) == _shape_text(x)
+        and (sums is None or isinstance(sums, dict) and all(s.dtype == jnp.float32 for s in jax.tree.leaves(sums)))
+    ):  # fmt: skip
         raise ConfigError(f"{where} Block returns {_shape_text(out)} for activations {_shape_text(x)}; it must "
-                          f"return (activations of the same shape and dtype, None) {contract}")  # fmt: skip
+                          f"return (activations of the same shape and dtype, None or a dict of float32 sums) "
+                          f"{contract}")  # fmt: skip
     logits = build(pieces.Head, x)
     wanted = jax.ShapeDtypeStruct((*tokens.shape, config.vocab_size), jnp.float32)
     if _shape_text(logits) != _shape_text(wanted):
@@ -739,29 +850,35 @@ def cross_entropy(logits, labels):
 
 
 def token_losses(params, apply_fn, tokens, rng=None):
-    """Next-token cross-entropy at every position; dropout only when given a key. `tokens` is
-    [rows, length + 1], or the inputs and labels already paired, [rows, 2, length]
-    (context_parallel.py, which reorders the positions of every sequence)."""
+    """Next-token cross-entropy at every position, and the blocks' sums (Model); dropout only
+    when given a key. `tokens` is [rows, length + 1], or the inputs and labels already paired,
+    [rows, 2, length] (context_parallel.py, which reorders the positions of every sequence)."""
     inputs, labels = (tokens[:, 0], tokens[:, 1]) if tokens.ndim == 3 else (tokens[:, :-1], tokens[:, 1:])
     rngs = None if rng is None else {"dropout": rng}
-    logits = apply_fn({"params": params}, inputs, deterministic=rng is None, rngs=rngs)
-    return cross_entropy(logits, labels)
+    logits, stats = apply_fn({"params": params}, inputs, deterministic=rng is None, rngs=rngs)
+    return cross_entropy(logits, labels), stats
 
 
-def summed(losses):
-    # (sum, count) rather than a mean, so that metrics add up across devices and micro-batches.
-    return {"loss_sum": losses.sum(), "tokens": jnp.int32(losses.size)}
+def summed(losses, stats):
+    # (sum, count) rather than a mean, so that metrics add up across devices and micro-batches;
+    # the blocks' stats are sums already.
+    return {"loss_sum": losses.sum(), "tokens": jnp.int32(losses.size), **stats}
 
 
 def loss_fn(params, apply_fn, tokens, rng):
-    """Mean next-token cross-entropy, and its metrics."""
-    losses = token_losses(params, apply_fn, tokens, rng)
-    return losses.mean(), summed(losses)
+    """Mean next-token cross-entropy, plus the auxiliary loss the blocks add (a mixture of
+    experts' load balance), and the metrics."""
+    losses, stats = token_losses(params, apply_fn, tokens, rng)
+    loss = losses.mean()
+    if "aux_loss_sum" in stats:
+        loss = loss + stats["aux_loss_sum"] / losses.size
+    return loss, summed(losses, stats)
 
 
 def eval_metrics(state: TrainState, tokens):
     """Summed held-out losses of a batch: no dropout, no gradient."""
-    return summed(token_losses(state.params, state.apply_fn, tokens))
+    losses, _ = token_losses(state.params, state.apply_fn, tokens)
+    return summed(losses, {})
 
 
 def accumulate_gradients(state: TrainState, batch, rng, microbatches: int):
@@ -833,6 +950,13 @@ def check_flags(config: Config):
     for name in ("warmup_steps", "seed", "eval_every", "weight_decay", "clip_norm", "stall_timeout"):
         require(getattr(config, name) >= 0, name, f"must be zero or more, {example(name)}")
     require(0 <= config.dropout < 1, "dropout", f"must be in [0, 1), {example('dropout')}")
+    for name in ("experts", "capacity_factor", "router_aux_weight"):
+        require(getattr(config, name) >= 0, name, f"must be zero or more, e.g. --{name.replace('_', '-')} 8")
+    require(
+        not config.experts or 1 <= config.top_k <= config.experts,
+        "top_k",
+        f"must be from 1 to --experts {config.experts}, e.g. --top-k {min(2, config.experts)}",
+    )
     require(
         8 <= config.vocab_size <= MAX_VOCAB,
         "vocab_size",
@@ -1381,10 +1505,10 @@ def _hide_gpus_from_tensorflow():
 # cannot change on resume; flags that change the rest of the trajectory can, and the run says
 # so. Every other flag (the strategy, its mesh, the devices and processes, logging, how often
 # to save) may change freely: a checkpoint holds global arrays, whatever wrote them.
-SHAPE_FLAGS = ("layers", "d_model", "heads", "seq_len", "vocab_size", "scan_layers")
+SHAPE_FLAGS = ("layers", "d_model", "heads", "seq_len", "vocab_size", "scan_layers", "experts")
 TRAJECTORY_FLAGS = (
     "steps", "batch_size", "lr", "warmup_steps", "weight_decay", "clip_norm", "seed", "dropout", "dtype",
-    "microbatches", "dataset", "text_key",
+    "microbatches", "dataset", "text_key", "top_k", "capacity_factor", "router_aux_weight",
 )  # fmt: skip
 
 
@@ -1759,7 +1883,7 @@ def _compare_with_checkpoint(config: Config, step: int, flags: dict, saved_param
             raise ConfigError(
                 f"--checkpoint-dir {config.checkpoint_dir} holds another model: {name} is "
                 f"{saved.get(name, 'absent')} there but {expected.get(name, 'absent')} here "
-                "(check --layers, --d-model, --heads, --seq-len, --scan-layers)"
+                "(check --layers, --d-model, --heads, --seq-len, --scan-layers, --experts)"
             )
     changed = [
         f"--{name.replace('_', '-')} {flags[name]} -> {getattr(config, name)}"
@@ -2096,8 +2220,9 @@ class StepLosses:
 
     IN_FLIGHT = 2
 
-    def __init__(self, watchdog: Watchdog):
+    def __init__(self, watchdog: Watchdog, layers: int):
         self.values, self.grad_norms, self.pending, self.watchdog = [], [], [], watchdog
+        self.router, self.layers = [], layers  # a mixture of experts' routing, step by step
 
     def add(self, step: int, metrics):
         self.pending.append((step, metrics))
@@ -2113,9 +2238,26 @@ class StepLosses:
             stop_if_not_finite(loss, step, self.values)
             self.values.append(loss)
             self.grad_norms.append(host_value(metrics["grad_norm"]))
+            if "expert_tokens" in metrics:
+                self.router.append(routing(metrics, self.layers))
             self.watchdog.beat(f"step {step + 1}")
         self.pending = []
         return self.values
+
+
+def routing(metrics, layers: int) -> dict:
+    """A step's routing, from its summed metrics: the load-balancing loss (per token, as the
+    loss), the fewest and the most tokens an expert got in a block (the mean over blocks), and
+    the share of top-k choices dropped for want of capacity."""
+    per_expert = np.asarray(metrics["expert_tokens"].addressable_data(0))  # one replica, as host_value
+    per_expert = per_expert.reshape(-1, per_expert.shape[-1])[0] / layers
+    dropped = host_value(metrics["dropped_tokens"])
+    return {
+        "aux_loss": host_value(metrics["aux_loss_sum"]) / host_value(metrics["tokens"]),
+        "expert_tokens_min": float(per_expert.min()),
+        "expert_tokens_max": float(per_expert.max()),
+        "dropped_share": dropped / (dropped + float(per_expert.sum()) * layers),
+    }
 
 
 def open_metrics_file(path: str, start: int):
@@ -2163,6 +2305,7 @@ class Result:
     state: Any  # the final TrainState, laid out as the strategy keeps it
     summary: dict  # what the last line of --metrics-file holds
     compiled: Any  # the compiled train step
+    router: list  # with --experts, every step's routing (StepLosses.routing); else empty
 
 
 class Logger:
@@ -2173,7 +2316,7 @@ class Logger:
         self.config, self.dataset, self.report, self.start = config, dataset, report, start
         self.tokens_per_step = config.batch_size * config.seq_len
         self.watchdog = Watchdog(config.stall_timeout)
-        self.losses, self.step_seconds, self.eval_loss = StepLosses(self.watchdog), [], None
+        self.losses, self.step_seconds, self.eval_loss = StepLosses(self.watchdog, config.layers), [], None
         self.file, self.earlier = None, []  # earlier: the records of the steps before `start`
         if config.metrics_file and is_main_process():
             self.file, self.earlier = open_metrics_file(config.metrics_file, start)
@@ -2238,10 +2381,17 @@ class Logger:
             "step_seconds": seconds,
         }
         eta = seconds * (self.config.steps - step - 1)
+        routing = ""
+        if self.losses.router:
+            record.update(self.losses.router[-1])
+            routing = (
+                f"aux {record['aux_loss']:.4f} | expert tokens {record['expert_tokens_min']:.0f}-"
+                f"{record['expert_tokens_max']:.0f}, {record['dropped_share']:.1%} dropped | "
+            )
         self.print(
             f"step {step + 1:>{len(str(self.config.steps))}}/{self.config.steps} | "
-            f"loss {loss:.4f} | grad norm {record['grad_norm']:.3f} | {record['tokens_per_sec']:,.0f} tokens/s | "
-            f"ETA {eta // 60:.0f}:{eta % 60:02.0f}"
+            f"loss {loss:.4f} | grad norm {record['grad_norm']:.3f} | {routing}{record['tokens_per_sec']:,.0f} "
+            f"tokens/s | ETA {eta // 60:.0f}:{eta % 60:02.0f}"
         )
         self.write(record)
 
@@ -2275,8 +2425,9 @@ class Logger:
                 "its records so far and the checkpoints are kept"
             ) from None
 
-    def finish(self) -> dict:
-        """Print and write the end-of-run report; return it (the summary)."""
+    def finish(self, state, compiled) -> "Result":
+        """Print and write the end-of-run report; return it with the final state and the
+        compiled step (what the tests check)."""
         self.watchdog.stop()
         if self.profiling:  # the run ended inside the traced steps
             jax.profiler.stop_trace()
@@ -2313,4 +2464,4 @@ class Logger:
         self.write({"summary": summary})
         if self.file:
             self.file.close()
-        return summary
+        return Result(losses, self.losses.grad_norms, state, summary, compiled, self.losses.router)

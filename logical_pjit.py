@@ -44,7 +44,7 @@ from jax.sharding import PartitionSpec as P
 # Logical axis name -> mesh axis (or axes). A parameter axis whose name has no rule is not
 # split, if UNSPLIT names it; any other name stops the run (exit 2), so that a new model's
 # parameter is never replicated unseen: give it a rule, or add its name to UNSPLIT.
-UNSPLIT = ("vocab", "pos", "embed", "heads", "kv_heads", "mlp", "norm", "layers")
+UNSPLIT = ("vocab", "pos", "embed", "heads", "kv_heads", "mlp", "norm", "layers", "expert")
 RULES = {
     "dp": (("batch", ("data", "model")),),
     "fsdp": (("batch", ("data", "model")), ("embed", ("data", "model"))),
@@ -212,8 +212,7 @@ def main(config):
                 break
     finally:
         checkpoints.close()  # lets the saves still being written finish, whatever happened
-    summary = log.finish()
-    return common.Result(log.losses.values, log.losses.grad_norms, state, summary, compiled)
+    return log.finish(state, compiled)  # the end-of-run report, and what the run made
 
 
 if __name__ == "__main__":

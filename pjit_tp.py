@@ -75,12 +75,12 @@ def make_mesh(config):
 PARAM_SPECS = (
     (r"attn/qkv/kernel", P(None, "model")),  # [embed, heads x (query, key, value) x head_dim]
     (r"attn/out/kernel", P("model", None)),  # [heads x head_dim, embed]
-    (r"mlp/fc1/kernel", P(None, "model")),  # [embed, mlp]
+    (r"mlp/fc1/kernel", P(None, "model")),  # [embed, mlp]; [experts, embed, mlp] with --experts
     (r"mlp/fc1/bias", P("model")),  # [mlp]
     (r"mlp/fc2/kernel", P("model", None)),  # [mlp, embed]
     (r"embed/token/embedding", P("model", None)),  # [vocab, embed]: each device a part of the vocabulary
     (r"head/out/kernel", P(None, "model")),  # [embed, vocab]: each device the logits of its part
-    (r"embed/position/embedding|ln\w*/(scale|bias)|out/bias|fc2/bias", P()),  # replicated: small
+    (r"embed/position/embedding|ln\w*/(scale|bias)|out/bias|fc2/bias|mlp/router/kernel", P()),  # replicated: small
 )
 BATCH_SPEC = P("data")  # rows split over 'data'
 
@@ -170,8 +170,7 @@ def main(config):
                 break
     finally:
         checkpoints.close()  # lets the saves still being written finish, whatever happened
-    summary = log.finish()
-    return common.Result(log.losses.values, log.losses.grad_norms, state, summary, compiled)
+    return log.finish(state, compiled)  # the end-of-run report, and what the run made
 
 
 if __name__ == "__main__":

@@ -126,8 +126,7 @@ def main(config):
                 break
     finally:
         checkpoints.close()  # lets the saves still being written finish, whatever happened
-    summary = log.finish()
-    return common.Result(log.losses.values, log.losses.grad_norms, state, summary, compiled)
+    return log.finish(state, compiled)  # the end-of-run report, and what the run made
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import pipeline
 import pjit_tp
 from tests.harness import (
     ALL, DATA_GROUPS, DEFAULTS, DEVICES, MODEL_GROUPS, PROCESSES, RTOL, SMALL, STRATEGIES,
-    as_flags, cluster, collectives, replica_groups, run, run_uncached, shard_shapes, state_bytes,
+    as_flags, cluster, collectives, model_flags, MOE, replica_groups, run, run_uncached, shard_shapes, state_bytes,
     wait_ok,
 )  # fmt: skip
 
@@ -41,6 +41,7 @@ class Reference(typing.NamedTuple):
     grad_norms: list  # every step's global gradient norm, before clipping
     state: common.TrainState  # the final state
     conditioned: dict  # per parameter element: were its Adam steps insensitive to rounding?
+    router: list  # a mixture of experts' routing, every step (common.routing)
 
 
 # AdamW moves an element by m / (sqrt(v) + eps), m and v being running means of its gradient
@@ -84,14 +85,16 @@ def reference(**overrides):
         )
         return state, metrics, conditioned
 
-    losses, grad_norms = [], []
+    losses, grad_norms, router = [], [], []
     conditioned = jax.tree.map(lambda p: jnp.ones(p.shape, bool), state.params)
     for step in range(config.steps):
         state, metrics, conditioned = train_step(state, dataset.batch(step, 0, config.batch_size), conditioned)
         losses.append(float(metrics["loss_sum"]) / float(metrics["tokens"]))
         grad_norms.append(float(common.gradient_norm(state)))
+        if config.experts:
+            router.append(common.routing(metrics, config.layers))
     assert len(jax.tree.leaves(state.params)[0].devices()) == 1
-    return Reference(losses, grad_norms, state, jax.tree.map(np.asarray, conditioned))
+    return Reference(losses, grad_norms, state, jax.tree.map(np.asarray, conditioned), router)
 
 
 def global_params(name, state):
@@ -130,12 +133,39 @@ def compare(name, result, ref):
     )
     assert loss_diff <= RTOL and norm_diff <= RTOL and param_diff <= RTOL
     assert left_out <= ILL_CONDITIONED_SHARE
+    compare_routing(name, result.router, ref.router)
+
+
+def compare_routing(name, mine, ref):
+    """A mixture of experts routes exactly as one device does: per step, the same fewest and
+    most tokens per expert and the same tokens dropped (counts, equal to the token), and the
+    load-balancing loss within RTOL. A token's experts are its top-k router probabilities: a
+    rounding difference could only change them where two of them tie to within it; the
+    closest call in these runs was 1.7e-6 apart (relative), 17 times float32's 1e-7."""
+    assert len(mine) == len(ref)
+    if not ref:
+        return
+    counts = ("expert_tokens_min", "expert_tokens_max", "dropped_share")
+    assert [[step[key] for key in counts] for step in mine] == [[step[key] for key in counts] for step in ref]
+    aux_diff = relative([step["aux_loss"] for step in mine], [step["aux_loss"] for step in ref])
+    print(f"{name}: routing the same at every step, load-balancing loss {aux_diff:.1e}")
+    assert aux_diff <= RTOL
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
 def test_matches_single_device_reference(name):
-    compare(name, run(name), reference())
+    compare(name, run(name), reference(**model_flags(name)))
     assert run(name).losses[-1] < run(name).losses[0] - 1  # and it learned something
+
+
+MOE_TRAINERS = [name for name in STRATEGIES if not name.startswith(("pipeline", "context", "expert"))]
+
+
+@pytest.mark.parametrize("name", MOE_TRAINERS)
+def test_a_mixture_of_experts_matches(name):
+    """Every other strategy trains the mixture of experts too (its expert weights split as any
+    parameter of theirs), and routes it as one device does."""
+    compare(f"{name} {as_flags(MOE)}", run(name, **MOE), reference(**MOE))
 
 
 # What a user adds to pjit_tp.py's PARAM_SPECS to train tests/llama.py (the other scripts need
@@ -159,7 +189,7 @@ def test_a_model_the_scripts_do_not_know_matches(name, monkeypatch):
 @pytest.mark.parametrize("name", DEFAULTS.values())
 def test_microbatches_match(name):
     result = run(name, microbatches=4, batch_size=32)
-    compare(f"{name} --microbatches 4", result, reference(batch_size=32))
+    compare(f"{name} --microbatches 4", result, reference(batch_size=32, **model_flags(name)))
 
 
 @pytest.mark.parametrize("name", ["fsdp", "pjit_tp", "logical_fsdp_tp"])  # the scripts that handle scanning
@@ -178,7 +208,7 @@ def test_remat_matches():
 def test_clipping_matches(name):
     """Clipping by the global norm, with a threshold so low that it binds on every step: the
     norm is over the whole model, whatever piece of the gradient each device holds."""
-    ref = reference(clip_norm=0.05, steps=10)
+    ref = reference(clip_norm=0.05, steps=10, **model_flags(name))
     assert min(ref.grad_norms) > 0.05  # it clips every step
     compare(f"{name} --clip-norm 0.05", run(name, clip_norm=0.05, steps=10), ref)
 
@@ -314,6 +344,40 @@ def test_pjit_tp_splits_blocks_over_model():
     ops = collectives(result.compiled)
     assert MODEL_GROUPS in ops["all-reduce"]  # the partial sums of the row-parallel matmuls
     assert DATA_GROUPS in ops["all-reduce"]  # the data-parallel gradient reduction
+
+
+@pytest.mark.parametrize("name, expert", [("expert_parallel", 4), ("expert_parallel_8", 8)])
+def test_expert_parallel_splits_experts_and_sends_tokens_by_all_to_all(name, expert):
+    """Each device holds experts/E' whole experts (and their Adam moments), everything else
+    whole; per block, four all-to-alls over 'expert' (tokens there and back, forward and
+    backward), each carrying a device's slots: experts x rows x capacity x d_model x 4 bytes,
+    of which (E' - 1) / E' leave the device; nothing else moves but the reductions."""
+    result = run(name)
+    shapes, d, experts = shard_shapes(result), SMALL["d_model"], MOE["experts"]
+    for layer in range(SMALL["layers"]):
+        mlp = f"block_{layer}/mlp"
+        assert shapes[f"{mlp}/fc1/kernel"] == (experts // expert, d, 4 * d)
+        assert shapes[f"{mlp}/fc2/kernel"] == (experts // expert, 4 * d, d)
+        assert shapes[f"{mlp}/router/kernel"] == (d, experts)  # replicated
+        assert shapes[f"block_{layer}/attn/qkv/kernel"] == (d, 3 * d)
+    total, per_device = state_bytes(result.state)
+    expert_bytes = sum(
+        x.nbytes for path, x in jax.tree_util.tree_leaves_with_path((result.state.params, result.state.opt_state))
+        if "fc" in jax.tree_util.keystr(path) and "mlp" in jax.tree_util.keystr(path)
+    )  # fmt: skip
+    assert per_device == (total - expert_bytes) + expert_bytes // expert  # the layout's prediction
+    config = common.Config(**{**SMALL, **MOE})
+    rows = SMALL["batch_size"] // DEVICES
+    slots = experts * rows * common.capacity(config, SMALL["seq_len"]) * d * 4
+    to_all = [c for c in common.hlo_collectives(result.compiled.as_text()) if c["op"] == "all-to-all"]
+    assert len(to_all) == 4 * SMALL["layers"] and all(c["bytes"] == slots for c in to_all)
+    groups = {tuple(row) for row in np.arange(DEVICES).reshape(DEVICES // expert, expert).tolist()}
+    assert all(replica_groups(c["line"]) == groups for c in to_all)
+    assert set(collectives(result.compiled)) == {"all-to-all", "all-reduce"}
+    print(
+        f"\n{name}: {len(to_all)} all-to-alls of {slots:,} bytes per step, {slots * (expert - 1) // expert:,} of "
+        f"each leaving the device; state {per_device:,} of {total:,} bytes per device"
+    )
 
 
 @pytest.mark.parametrize("name", ["pjit_tp", "logical_tp"])

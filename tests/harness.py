@@ -20,6 +20,7 @@ import numpy as np
 
 import common
 import context_parallel
+import expert_parallel
 import fsdp
 import logical_pjit
 import pipeline
@@ -46,15 +47,27 @@ SCRIPTS = {
     "logical_pjit": logical_pjit,
     "pipeline": pipeline,
     "context_parallel": context_parallel,
+    "expert_parallel": expert_parallel,
 }
+MOE = {"experts": 8, "top_k": 2}  # the mixture of experts the tests train (--experts 8 --top-k 2)
 # A strategy is a script with its own flags: every script, each logical_pjit.py preset, HSDP
 # and each pipeline schedule (on SMALL's 2 layers: 'auto' gives data=4,stage=2).
-STRATEGIES = {name: (module, {}) for name, module in SCRIPTS.items() if name not in ("logical_pjit", "pipeline")}
+STRATEGIES = {
+    name: (module, {}) for name, module in SCRIPTS.items() if name not in ("logical_pjit", "pipeline", "expert_parallel")
+}
 STRATEGIES["hsdp"] = (fsdp, {"mesh": "replica=2,data=4"})
 STRATEGIES.update({f"logical_{rules}": (logical_pjit, {"rules": rules}) for rules in logical_pjit.RULES})
 STRATEGIES.update({f"pipeline_{s}": (pipeline, {"schedule": s, "microbatches": 2}) for s in pipeline.SCHEDULES})
+# expert_parallel.py trains a mixture of experts only: data=2,expert=4 ('auto') and data=1,expert=8.
+STRATEGIES["expert_parallel"] = (expert_parallel, MOE)
+STRATEGIES["expert_parallel_8"] = (expert_parallel, {**MOE, "mesh": "data=1,expert=8"})
 # Each script with its default flags, as a strategy name: logical_pjit.py defaults to fsdp_tp.
 DEFAULTS = {name: name for name in SCRIPTS} | {"logical_pjit": "logical_fsdp_tp", "pipeline": "pipeline_1f1b"}
+
+
+def model_flags(name) -> dict:
+    """The flags of a strategy that change the model (a mixture of experts'), for its reference."""
+    return {key: value for key, value in STRATEGIES[name][1].items() if key in MOE}
 
 
 def run_uncached(name, **overrides):

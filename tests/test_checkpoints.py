@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tests.harness import (
-    RTOL, SMALL, TINY, as_flags, cluster, copy_alone, run, run_script, run_uncached,
+    RTOL, SMALL, TINY, as_flags, cluster, copy_alone, model_flags, run, run_script, run_uncached,
     wait_ok,
 )  # fmt: skip
 
@@ -48,12 +48,14 @@ def test_resume_is_exact_in_the_same_script(name, tmp_path):
         ("fsdp", "pipeline_1f1b"),
         ("pipeline_1f1b", "logical_fsdp_tp"),
         ("context_parallel", "pjit_tp"),
+        ("expert_parallel", "pjit_tp"),  # a mixture of experts: experts split, then their hidden units
     ],
 )
 def test_another_script_resumes(writer, reader, tmp_path):
     interrupted(writer, tmp_path)
-    resumed = run_uncached(reader, checkpoint_dir=str(tmp_path), checkpoint_every=10)
-    uninterrupted = run(reader).losses[10:]
+    flags = model_flags(writer)
+    resumed = run_uncached(reader, checkpoint_dir=str(tmp_path), checkpoint_every=10, **flags)
+    uninterrupted = run(reader, **flags).losses[10:]
     diff = max(abs(a - b) / b for a, b in zip(resumed.losses, uninterrupted, strict=True))
     print(f"\n{writer} -> {reader}: loss {diff:.1e}")
     assert diff <= RTOL

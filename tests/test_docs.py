@@ -8,7 +8,7 @@ import sys
 
 from tests.harness import ROOT, SCRIPTS
 
-BRANCHES = ["pipeline", "context_parallel"]  # read after shardmap_dp.py, beside the chain
+BRANCHES = ["pipeline", "context_parallel", "expert_parallel"]  # read after shardmap_dp.py, beside the chain
 
 
 def test_readme_transitions_match_the_scripts():

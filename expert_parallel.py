@@ -1,0 +1,216 @@
+"""Expert parallelism with jax.shard_map: a mixture of experts, its experts split over devices.
+
+What is where: the mesh has two axes, 'data' and 'expert' (data=2,expert=4 on 8 devices). Every
+block's MLP is a mixture of --experts expert MLPs (common.MoeMlp); the experts' weights and
+their Adam moments are split over 'expert', each device holding experts/E' whole experts, and
+copies of those along 'data'. Everything else (attention, the router, the embedding, the
+head) is replicated, as in data parallelism. The global batch is split by rows over every
+device (P(('data', 'expert'))).
+A step: each device routes its own tokens and lays them out in each expert's slots; an
+all-to-all over 'expert' sends every device the slots of the experts it holds, from each
+device of its group; the experts run; a second all-to-all sends the outputs back to the
+devices their tokens came from. The backward pass runs the same two all-to-alls backwards.
+Then the gradients of replicated parameters are averaged over every device, as in data
+parallelism, and each expert's over 'data', across the devices holding the same experts.
+Collectives per step: per block, two all-to-alls over 'expert' forward and two backward (the
+tokens' slots, [experts, rows, capacity, d_model] per device); the all-reduces of data
+parallelism; tiny ones of the gradient norm and of the metrics.
+
+What changes from shardmap_dp.py: the mesh gains an 'expert' axis and the state spec splits
+the experts' axis of their parameters over it (stated as data, from the parameters' logical
+names); the model gets a way to its experts (to_experts_and_back); an expert's gradient is
+summed across 'expert' by the all-to-all's backward pass already, so it is averaged over
+'data' only; and the gradient norm adds up each device's experts.
+
+Run:
+  python expert_parallel.py              # a laptop: 8 emulated CPU devices, data=2,expert=4
+  python expert_parallel.py --mesh data=1,expert=8 --steps 2000   # a GPU or TPU host
+  python expert_parallel.py --distributed   # every host of a TPU pod slice (README)
+
+Read before: shardmap_dp.py. Read next: the README's section on routing and balance.
+"""
+
+import dataclasses
+import functools
+import math
+
+import jax
+from jax import lax
+
+import common
+
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(common.Config):
+    experts: int = common.arg(8, "experts in every block's MLP (a mixture of experts)")
+    mesh: str = common.arg("auto", "mesh axis sizes, e.g. data=2,expert=4; 'auto' gives that on 8 devices")
+
+    def mesh_axes(self):
+        expert = math.gcd(self.experts, max(1, jax.device_count() // 2))
+        return common.mesh_shape(self.mesh, ("data", "expert"), {"data": jax.device_count() // expert, "expert": expert})
+
+    def validate(self):
+        super().validate()
+        common.require(self.experts > 0, "experts", "must be positive: this script splits experts, e.g. --experts 8")
+        expert = self.mesh_axes()["expert"]
+        common.require(
+            self.experts % expert == 0,
+            "mesh",
+            f"expert={expert} must divide --experts {self.experts}, e.g. --mesh data={jax.device_count()},expert=1",
+        )
+
+
+def make_mesh(config):
+    shape = config.mesh_axes()
+    # Auto axes: the compiler may place whatever the specs below leave unsaid.
+    return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+BATCH_SPEC = P(("data", "expert"))  # rows split over every device
+
+
+@functools.cache
+def param_specs(config):
+    """{parameter path: PartitionSpec}: an axis named 'expert' (common.ExpertDense) is split over
+    the mesh axis 'expert'; everything else is whole on every device."""
+    return {path: P(*("expert" if name == "expert" else None for name in box.names)) for path, box in common.logical_names(config)}
+
+
+def state_spec(config, state):
+    """The PartitionSpec of every leaf of the state: its parameter's (Adam's moments end with the
+    parameter's path), or P() for a number (step counters, the random key)."""
+    specs = param_specs(config)
+
+    def spec(path, leaf):
+        name = jax.tree_util.keystr(path, simple=True, separator="/")
+        return next((s for p, s in specs.items() if name == p or name.endswith("/" + p)), P())
+
+    return jax.tree_util.tree_map_with_path(spec, state)
+
+
+def is_split(spec):
+    return "expert" in spec
+
+
+def to_experts_and_back(experts, x):
+    """Run the experts on the tokens this device routed. x: [experts, rows, capacity, d], this
+    device's tokens in every expert's slots. The first all-to-all sends each device of the
+    'expert' group the slots of the experts it holds, from every device of the group:
+    [experts / E', E' x rows, capacity, d]; the second sends the outputs back."""
+    x = lax.all_to_all(x, "expert", split_axis=0, concat_axis=1, tiled=True)
+    return lax.all_to_all(experts(x), "expert", split_axis=1, concat_axis=0, tiled=True)
+
+
+def make_model(config):
+    return common.make_model(config, to_experts=to_experts_and_back)
+
+
+def average(grad, spec):
+    """The mean over devices of one gradient. A replicated parameter's needs the all-reduce of
+    data parallelism. An expert's is already summed over the 'expert' group (the backward pass
+    of the all-to-all brings each device's contribution to the device holding the expert), so
+    it is summed over 'data' and divided by the number of devices."""
+    if is_split(spec):
+        return lax.psum(grad, "data") / lax.axis_size(("data", "expert"))
+    return lax.pmean(grad, ("data", "expert"))
+
+
+@functools.cache  # one function per config: the optimizer holding it is part of the state's structure
+def global_norm(config):
+    """The gradient's norm over the whole model, for clipping: each device holds its own
+    experts' gradients, whose sums of squares are added up over 'expert'."""
+
+    def norm(grads):
+        specs = state_spec(config, grads)
+        pairs = list(zip(jax.tree.leaves(grads), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))))
+        split = sum((jnp.sum(jnp.square(g)) for g, s in pairs if is_split(s)), jnp.zeros(()))
+        whole = sum((jnp.sum(jnp.square(g)) for g, s in pairs if not is_split(s)), jnp.zeros(()))
+        return jnp.sqrt(lax.psum(split, "expert") + whole)
+
+    return norm
+
+
+def init_state(config, mesh, shapes_only=False):
+    create = functools.partial(common.create_state, config, make_model(config), global_norm=global_norm(config))
+    specs = state_spec(config, jax.eval_shape(create))
+    create = jax.jit(create, out_shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs))
+    # The state itself, or only its shapes and shardings (nothing allocated) to compile for.
+    return create.eval_shape() if shapes_only else create()
+
+
+def train_step(state, batch, microbatches, config):
+    """One device's share of a step: its experts and a copy of the rest, its rows of the batch."""
+    # Every device must drop different units: fold the device's index into the step's key.
+    rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index(("data", "expert")))
+    # Differentiate this device's copy, so the gradients are its own and averaging them is ours
+    # to write: replicated parameters vary over both axes now, the experts (already different
+    # on each device of 'expert') over 'data'.
+    specs = state_spec(config, state.params)
+    params = jax.tree.map(
+        lambda p, s: lax.pcast(p, "data" if is_split(s) else ("data", "expert"), to="varying"), state.params, specs
+    )
+    grads, metrics = common.accumulate_gradients(state.replace(params=params), batch, rng, microbatches)
+    grads = jax.tree.map(average, grads, specs)
+    metrics = lax.psum(metrics, ("data", "expert"))
+    state = state.apply_gradients(grads=grads)
+    return state, {**metrics, "grad_norm": common.gradient_norm(state)}
+
+
+def eval_step(state, batch):
+    """Summed held-out losses of one device's rows, added up over all devices."""
+    return lax.psum(common.eval_metrics(state, batch), ("data", "expert"))
+
+
+def device_batch(batch, mesh):
+    # This process's rows become one global array, split over every device.
+    return jax.make_array_from_process_local_data(NamedSharding(mesh, BATCH_SPEC), batch)
+
+
+def main(config):
+    common.setup(config)
+    mesh = make_mesh(config)
+    dataset = common.load_dataset(config)
+    state_shapes = init_state(config, mesh, shapes_only=True)
+    specs = state_spec(config, state_shapes)
+    step_fn = jax.jit(
+        jax.shard_map(
+            functools.partial(train_step, microbatches=config.microbatches, config=config),
+            mesh=mesh,
+            in_specs=(specs, BATCH_SPEC),
+            out_specs=(specs, P()),
+        ),
+        donate_argnums=0,
+    )
+    eval_fn = jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(specs, BATCH_SPEC), out_specs=P()))
+    # Compiled for the shapes of the state and of a batch, before either exists: a step too big
+    # for the devices stops here, with one line, before anything is allocated.
+    batch_shapes = common.batch_shape(config, NamedSharding(mesh, BATCH_SPEC))
+    compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
+    state = init_state(config, mesh)
+    checkpoints = common.Checkpoints(config)
+    state, start = checkpoints.restore(state)
+    eval_data = [device_batch(b, mesh) for b in common.eval_batches(dataset, config)]
+    report = common.cost_report(config, state, compiled, compile_seconds)
+    layout = f"mesh data={mesh.shape['data']},expert={mesh.shape['expert']}, experts split over 'expert'"
+    log = common.Logger(config, dataset, layout, report, state.params, start)
+    try:
+        for step in range(start, config.steps):
+            batch = device_batch(common.host_batch(dataset, config, step), mesh)
+            # The program compiled above, which the report describes.
+            state, metrics = compiled(state, batch)
+            log.log(step, metrics)
+            if log.eval_due(step):
+                log.eval(step, eval_fn, state, eval_data)
+            if checkpoints.save(step, state, log):  # Ctrl-C or SIGTERM: saved, stop
+                break
+    finally:
+        checkpoints.close()  # lets the saves still being written finish, whatever happened
+    return log.finish(state, compiled)  # the end-of-run report, and what the run made
+
+
+if __name__ == "__main__":
+    main(common.parse_config(Config, __doc__))
