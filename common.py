@@ -303,7 +303,9 @@ class MoeMlp(nn.Module):
         rows, length, _ = x.shape
         slots = capacity(c, length)
         # The router works in float32: which expert a token goes to must not hang on rounding.
-        router = nn.Dense(c.experts, use_bias=False, dtype=jnp.float32, kernel_init=_init(("embed", None)), name="router")
+        router = nn.Dense(
+            c.experts, use_bias=False, dtype=jnp.float32, kernel_init=_init(("embed", None)), name="router"
+        )
         probs = jax.nn.softmax(router(x.astype(jnp.float32)))  # [rows, length, experts]
         gate, expert = jax.lax.top_k(probs, c.top_k)  # [rows, length, k]
         gate = gate / gate.sum(-1, keepdims=True)
@@ -1922,10 +1924,13 @@ def flops_per_token(config: Config, params) -> int:
     """Training FLOPs per token: 6 per matmul parameter (forward 2, backward 4) plus the
     attention scores and their use, 6 * 2 * layers * seq_len * d_model (PaLM, appendix B,
     which takes the attention's width to be d_model). Embedding tables (nn.Embed's parameter
-    'embedding', whatever the model) are lookups, not matmuls, so they are left out."""
+    'embedding', whatever the model) are lookups, not matmuls, so they are left out; of a
+    mixture of experts' weights (an axis named 'expert') a token uses its top-k experts'."""
     leaves = jax.tree_util.tree_leaves_with_path(params)
     tables = sum(x.size for path, x in leaves if getattr(path[-1], "key", None) == "embedding")
-    matmul_params = sum(x.size for _, x in leaves) - tables
+    experts = sum(box.value.size for _, box in logical_names(config) if "expert" in box.names)
+    unused = experts - experts * config.top_k // config.experts if experts else 0
+    matmul_params = sum(x.size for _, x in leaves) - tables - unused
     return 6 * matmul_params + 12 * config.layers * config.seq_len * config.d_model
 
 

@@ -51,11 +51,19 @@ class Config(common.Config):
 
     def mesh_axes(self):
         expert = math.gcd(self.experts, max(1, jax.device_count() // 2))
-        return common.mesh_shape(self.mesh, ("data", "expert"), {"data": jax.device_count() // expert, "expert": expert})
+        return common.mesh_shape(
+            self.mesh, ("data", "expert"), {"data": jax.device_count() // expert, "expert": expert}
+        )
 
     def validate(self):
         super().validate()
         common.require(self.experts > 0, "experts", "must be positive: this script splits experts, e.g. --experts 8")
+        common.require(
+            any("expert" in box.names for _, box in common.logical_names(self)),
+            "model",
+            f"{self.model} has no parameter with an axis named 'expert', so there are no experts to split: use "
+            "common.MoeMlp in its Block (or name your experts' axis 'expert'), e.g. --model gpt",
+        )
         expert = self.mesh_axes()["expert"]
         common.require(
             self.experts % expert == 0,
@@ -77,7 +85,10 @@ BATCH_SPEC = P(("data", "expert"))  # rows split over every device
 def param_specs(config):
     """{parameter path: PartitionSpec}: an axis named 'expert' (common.ExpertDense) is split over
     the mesh axis 'expert'; everything else is whole on every device."""
-    return {path: P(*("expert" if name == "expert" else None for name in box.names)) for path, box in common.logical_names(config)}
+    return {
+        path: P(*("expert" if name == "expert" else None for name in box.names))
+        for path, box in common.logical_names(config)
+    }
 
 
 def state_spec(config, state):
@@ -125,10 +136,13 @@ def global_norm(config):
     experts' gradients, whose sums of squares are added up over 'expert'."""
 
     def norm(grads):
-        specs = state_spec(config, grads)
-        pairs = list(zip(jax.tree.leaves(grads), jax.tree.leaves(specs, is_leaf=lambda s: isinstance(s, P))))
-        split = sum((jnp.sum(jnp.square(g)) for g, s in pairs if is_split(s)), jnp.zeros(()))
-        whole = sum((jnp.sum(jnp.square(g)) for g, s in pairs if not is_split(s)), jnp.zeros(()))
+        pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(state_spec(config, grads)), strict=True)
+        split, whole = jnp.zeros(()), jnp.zeros(())
+        for g, spec in pairs:
+            if is_split(spec):
+                split += jnp.sum(jnp.square(g))
+            else:
+                whole += jnp.sum(jnp.square(g))
         return jnp.sqrt(lax.psum(split, "expert") + whole)
 
     return norm

@@ -178,7 +178,7 @@ LLAMA_SPECS = (
 )
 
 
-@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("name", [name for name in STRATEGIES if not name.startswith("expert")])  # dense
 def test_a_model_the_scripts_do_not_know_matches(name, monkeypatch):
     """tests/llama.py (RMSNorm, rotary positions, SwiGLU, no biases, untied head, grouped-query
     attention) through every script and preset, against one device training it."""

@@ -53,7 +53,9 @@ MOE = {"experts": 8, "top_k": 2}  # the mixture of experts the tests train (--ex
 # A strategy is a script with its own flags: every script, each logical_pjit.py preset, HSDP
 # and each pipeline schedule (on SMALL's 2 layers: 'auto' gives data=4,stage=2).
 STRATEGIES = {
-    name: (module, {}) for name, module in SCRIPTS.items() if name not in ("logical_pjit", "pipeline", "expert_parallel")
+    name: (module, {})
+    for name, module in SCRIPTS.items()
+    if name not in ("logical_pjit", "pipeline", "expert_parallel")
 }
 STRATEGIES["hsdp"] = (fsdp, {"mesh": "replica=2,data=4"})
 STRATEGIES.update({f"logical_{rules}": (logical_pjit, {"rules": rules}) for rules in logical_pjit.RULES})

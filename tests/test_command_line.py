@@ -27,7 +27,7 @@ jax.monitoring.register_event_duration_secs_listener(
     lambda event, seconds, **_: LOWERINGS.append(event) if event.endswith("jaxpr_to_mlir_module_duration") else None
 )
 MESH_SCRIPTS = ("pjit_tp", "logical_pjit")
-ALL_MESH_SCRIPTS = ("fsdp", "pjit_tp", "logical_pjit", "pipeline", "context_parallel")
+ALL_MESH_SCRIPTS = ("fsdp", "pjit_tp", "logical_pjit", "pipeline", "context_parallel", "expert_parallel")
 # (flags, the scripts they apply to, what the one-line error must say). Every message names the
 # flag and gives a valid example ("e.g."), except argparse's own for unknown flags and values.
 BAD_INPUTS = [
@@ -52,6 +52,14 @@ BAD_INPUTS = [
     (["--schedule", "zigzag"], ("pipeline",), "argument --schedule: invalid choice: 'zigzag'"),
     (["--mesh", "data=2,context=4", "--seq-len", "12"], ("context_parallel",),
      "--seq-len must split into 2 x context = 8 equal pieces"),
+    (["--experts", "-1"], ("fsdp",), "--experts must be zero or more"),
+    (["--experts", "8", "--top-k", "9"], ("fsdp",), "--top-k must be from 1 to --experts 8"),
+    (["--experts", "2", "--top-k", "0"], ("pjit_tp",), "--top-k must be from 1 to --experts 2"),
+    (["--experts", "8", "--capacity-factor", "-1"], ("shardmap_dp",), "--capacity-factor must be zero or more"),
+    (["--experts", "8"], ("pipeline", "context_parallel"), "--experts must be 0 here"),
+    (["--experts", "0"], ("expert_parallel",), "--experts must be positive: this script splits experts"),
+    (["--experts", "6", "--mesh", "data=2,expert=4"], ("expert_parallel",), "expert=4 must divide --experts 6"),
+    (["--model", "tests/llama.py"], ("expert_parallel",), "has no parameter with an axis named 'expert'"),
     (["--steps", "0"], SCRIPTS, "--steps must be positive"),
     (["--layers", "0"], SCRIPTS, "--layers must be positive"),
     (["--seq-len", "-1"], SCRIPTS, "--seq-len must be positive"),

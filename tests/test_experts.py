@@ -1,0 +1,98 @@
+"""The mixture of experts itself (common.MoeMlp): dispatch and combine, capacity and dropped
+tokens, the load-balancing loss, and routing shown in the log and the metrics file.
+(test_equivalence.py proves every strategy trains it as one device does.)"""
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import common
+from tests.harness import MOE, SMALL, TINY, run_script
+
+
+def mixture(capacity_factor, same_experts=False, **flags):
+    """A MoeMlp and the dense Mlp of one config, their parameters, and some activations."""
+    config = common.Config(**{**SMALL, **MOE, "capacity_factor": capacity_factor, **flags})
+    x = jax.random.normal(jax.random.key(1), (4, config.seq_len, config.d_model))
+    moe, mlp = common.MoeMlp(config), common.Mlp(config)
+    moe_params = nn.unbox(moe.init(jax.random.key(2), x, True)["params"])
+    mlp_params = nn.unbox(mlp.init(jax.random.key(3), x, True)["params"])
+    if same_experts:  # every expert a copy of the dense MLP
+        for layer in ("fc1", "fc2"):
+            for name, value in mlp_params[layer].items():
+                moe_params[layer][name] = jnp.broadcast_to(value, (config.experts, *value.shape))
+    return config, moe, moe_params, mlp, mlp_params, x
+
+
+def test_experts_that_are_one_mlp_give_that_mlp():
+    """Each token's outputs are weighted by its top-k gates, which sum to 1: with every expert the
+    same MLP and no token dropped, the mixture is that MLP, whatever the router says."""
+    config, moe, moe_params, mlp, mlp_params, x = mixture(0, same_experts=True)
+    out, stats = moe.apply({"params": moe_params}, x, True)
+    np.testing.assert_allclose(out, mlp.apply({"params": mlp_params}, x, True), rtol=1e-5, atol=1e-6)
+    assert float(stats["dropped_tokens"]) == 0
+    assert float(stats["expert_tokens"].sum()) == x.shape[0] * x.shape[1] * config.top_k
+
+
+def test_capacity_drops_the_later_tokens_and_counts_them():
+    """An expert takes at most `capacity` tokens of a sequence; the choices past it are dropped,
+    counted, and every other choice is kept. With no limit, the same tokens keep them all."""
+    config, moe, params, *_, x = mixture(0.5)
+    assert common.capacity(config, config.seq_len) == 4  # 0.5 x 32 tokens x 2 choices / 8 experts
+    _, stats = moe.apply({"params": params}, x, True)
+    per_expert, dropped = np.asarray(stats["expert_tokens"]), float(stats["dropped_tokens"])
+    assert (per_expert <= x.shape[0] * 4).all() and dropped > 0
+    assert per_expert.sum() + dropped == x.shape[0] * config.seq_len * config.top_k
+    unlimited_config, unlimited, *_ = mixture(0)
+    assert common.capacity(unlimited_config, config.seq_len) == config.seq_len
+    _, stats = unlimited.apply({"params": params}, x, True)
+    assert float(stats["dropped_tokens"]) == 0
+
+
+@pytest.mark.parametrize("even", [True, False])
+def test_load_balancing_loss_is_one_when_even(even):
+    """Switch's loss, E x sum of (share of choices) x (mean probability), per sequence: 1 for a
+    router that gives every expert the same probability; about E/2 for one that sends every
+    token first to expert 0 (half the choices, probability near 1)."""
+    config, moe, params, *_, x = mixture(0, router_aux_weight=1.0)
+    x = jnp.abs(x)  # positive, so that a router column of ones prefers its expert for every token
+    params["router"]["kernel"] = jnp.zeros_like(params["router"]["kernel"])
+    if not even:
+        params["router"]["kernel"] = params["router"]["kernel"].at[:, 0].set(1.0)
+    _, stats = moe.apply({"params": params}, x, True)
+    balance = float(stats["aux_loss_sum"]) / (x.shape[0] * x.shape[1])  # per token, weight 1
+    assert balance == pytest.approx(1.0 if even else config.experts / 2, rel=1e-3)
+
+
+def test_routing_is_in_the_log_and_the_metrics(tmp_path):
+    """Each log line and metrics record says how the tokens were routed: the load-balancing
+    loss, the fewest and most tokens an expert got in a block, the share dropped."""
+    done = run_script(
+        "expert_parallel", tmp_path, *TINY, "--capacity-factor", "0.5", "--metrics-file", "m.jsonl", "--eval-every", "0"
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "mesh data=2,expert=4, experts split over 'expert'" in done.stdout
+    lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert lines and all(" | aux " in line and "expert tokens " in line and "% dropped" in line for line in lines)
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()][:-1]
+    for record in records:
+        assert record["expert_tokens_min"] <= record["expert_tokens_max"] and 0 < record["dropped_share"] < 1
+        assert record["aux_loss"] > 0
+
+
+def test_a_token_costs_its_top_k_experts():
+    """The cost report counts the FLOPs of the experts a token goes to, not of all of them: each
+    expert is as big as the dense MLP, so a mixture costs (top-k - 1) MLPs and a router more."""
+    dense, moe = common.Config(**SMALL), common.Config(**{**SMALL, **MOE})
+    d, flops = SMALL["d_model"], {}
+    for name, config in (("dense", dense), ("moe", moe)):
+        params = jax.eval_shape(
+            lambda config=config: nn.unbox(common.init_params(common.make_model(config), jax.random.key(0)))
+        )
+        flops[name] = common.flops_per_token(config, params)
+    mlp = d * 4 * d + 4 * d + 4 * d * d + d
+    assert flops["moe"] - flops["dense"] == 6 * SMALL["layers"] * ((MOE["top_k"] - 1) * mlp + d * MOE["experts"])
