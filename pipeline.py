@@ -71,12 +71,6 @@ class Config(common.Config):
 
     def validate(self):
         super().validate()
-        common.require(
-            not self.experts,
-            "experts",
-            "must be 0 here: pipeline.py does not yet carry a mixture of experts' load-balancing loss between "
-            "stages; train one with expert_parallel.py, fsdp.py or pjit_tp.py, e.g. --experts 0",
-        )
         stages = self.mesh_axes()["stage"]
         common.require(
             self.layers % stages == 0,
@@ -265,7 +259,9 @@ def init_state(config, mesh, shapes_only=False):
 def stage_forward(params, x, tokens, rng, config):
     """One stage's part of the model on one micro-batch: the embedding on the first stage (in
     place of the input `x`), this stage's blocks, and on the last stage the head and the summed
-    loss (0 elsewhere). Returns the stage's output activation and that loss."""
+    loss (0 elsewhere). Returns the stage's output activation and what its part adds to the
+    loss (the summed loss, and a mixture of experts' load-balancing loss from every stage's
+    blocks), then, for the metrics, the summed loss alone and the blocks' sums."""
     stage, stages = lax.axis_index("stage"), lax.axis_size("stage")
     model = common.model_pieces(config.model)  # its Embed, Block and Head
     train = config.dropout > 0
@@ -279,16 +275,18 @@ def stage_forward(params, x, tokens, rng, config):
     def block(x, layer):
         block_params, i = layer
         block_rngs = {"dropout": jax.random.fold_in(rng, i)} if train else None
-        return model.Block(config).apply({"params": block_params}, x, not train, rngs=block_rngs)[0], None
+        return model.Block(config).apply({"params": block_params}, x, not train, rngs=block_rngs)
 
     layers = jax.tree.leaves(params["blocks"])[0].shape[0]
-    x, _ = lax.scan(block, x, (params["blocks"], stage * layers + jnp.arange(layers)))
+    x, stats = lax.scan(block, x, (params["blocks"], stage * layers + jnp.arange(layers)))
+    stats = jax.tree.map(lambda s: s.sum(0), stats or {})  # over this stage's blocks
 
     def loss():
         logits = model.Head(config).apply({"params": params["head"]}, x, not train, rngs=rngs)
         return common.cross_entropy(logits, tokens[:, 1:]).sum()
 
-    return x, lax.cond(stage == stages - 1, loss, lambda: jnp.zeros((), jnp.float32))
+    loss = lax.cond(stage == stages - 1, loss, lambda: jnp.zeros((), jnp.float32))
+    return (x, loss + stats.get("aux_loss_sum", 0.0)), (loss, stats)
 
 
 def pipeline_gradients(params, batch, rng, config, table):
@@ -308,27 +306,34 @@ def pipeline_gradients(params, batch, rng, config, table):
     to_previous = [(s + 1, s) for s in range(stages - 1)]
     loss_scale = 1.0 / (pieces.shape[0] * pieces.shape[1] * config.seq_len)  # the mean over this device's tokens
 
+    # What the blocks report (a mixture of experts' routing), summed over the micro-batches.
+    block_params = jax.tree.map(lambda p: p[0], params["blocks"])
+    block = common.model_pieces(config.model).Block(config)
+    stats = jax.eval_shape(lambda: block.apply({"params": block_params}, activation, True))[1] or {}
+    stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats)
+
     def tick(carry, row):
-        inputs, gradients_in, grads, loss_sum = carry
+        inputs, gradients_in, grads, loss_sum, stats_sum = carry
         op, m, arriving_forward, arriving_backward = row[stage]
         tokens, key = pieces[m], jax.random.fold_in(rng, m)
 
         def forward():
-            y, loss = stage_forward(params, inputs[m % slots], tokens, key, config)
-            return y, loss
+            (y, _), (loss, stats) = stage_forward(params, inputs[m % slots], tokens, key, config)
+            return y, loss, stats
 
         def backward():
-            _, vjp = jax.vjp(lambda p, x: stage_forward(p, x, tokens, key, config), params, inputs[m % slots])
+            forward = functools.partial(stage_forward, tokens=tokens, rng=key, config=config)
+            _, vjp, _ = jax.vjp(forward, params, inputs[m % slots], has_aux=True)
             grad_params, grad_input = vjp((gradients_in[m % grad_slots], jnp.float32(loss_scale)))
             return grad_params, grad_input
 
         def no_forward():
-            return jnp.zeros_like(activation), jnp.zeros((), jnp.float32)
+            return jnp.zeros_like(activation), jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, stats)
 
         def no_backward():
             return jax.tree.map(jnp.zeros_like, params), jnp.zeros_like(activation)
 
-        output, loss = lax.cond(op == FORWARD, forward, no_forward)
+        output, loss, more = lax.cond(op == FORWARD, forward, no_forward)
         grad_params, grad_input = lax.cond(op == BACKWARD, backward, no_backward)
         # After each tick: activations to the next stage, their gradients to the previous one.
         received = lax.ppermute(output, "stage", to_next)
@@ -342,16 +347,18 @@ def pipeline_gradients(params, batch, rng, config, table):
             lambda: gradients_in,
         )
         grads = jax.tree.map(jnp.add, grads, grad_params)
-        return (inputs, gradients_in, grads, loss_sum + loss), None
+        return (inputs, gradients_in, grads, loss_sum + loss, jax.tree.map(jnp.add, stats_sum, more)), None
 
     carry = (
         jnp.zeros((slots, *activation.shape), activation.dtype),
         jnp.zeros((grad_slots, *activation.shape), activation.dtype),
         jax.tree.map(jnp.zeros_like, params),
         jnp.zeros((), jnp.float32),
+        stats,
     )
-    (_, _, grads, loss_sum), _ = lax.scan(tick, carry, jnp.asarray(table))
-    return grads, {"loss_sum": loss_sum, "tokens": jnp.int32(pieces.size - pieces.shape[0] * pieces.shape[1])}
+    (_, _, grads, loss_sum, stats), _ = lax.scan(tick, carry, jnp.asarray(table))
+    tokens = jnp.int32(pieces.size - pieces.shape[0] * pieces.shape[1])
+    return grads, {"loss_sum": loss_sum, "tokens": tokens, **stats}
 
 
 def train_step(state, batch, config, table):
@@ -363,11 +370,9 @@ def train_step(state, batch, config, table):
     # over 'stage' (the others hold zeros), so every copy gets the same update.
     grads = {k: v if k == "blocks" else lax.psum(v, "stage") for k, v in grads.items()}
     grads = lax.pmean(grads, "data")  # all-reduce: the mean over the data shards
-    # The loss is summed on the last stage only; each stage counted the same tokens.
-    metrics = {
-        "loss_sum": lax.psum(metrics["loss_sum"], ("data", "stage")),
-        "tokens": lax.psum(metrics["tokens"], "data"),
-    }
+    # The loss is summed on the last stage only, the blocks' sums on each stage for its blocks;
+    # each stage counted the same tokens.
+    metrics = {**lax.psum(metrics, ("data", "stage")), "tokens": lax.psum(metrics["tokens"], "data")}
     # The optimizer clips by global_norm(grads): each stage holds only its blocks' gradients.
     state = state.apply_gradients(grads=grads)
     return state, {**metrics, "grad_norm": common.gradient_norm(state)}
