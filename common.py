@@ -142,7 +142,8 @@ class Config:
 #   3. Attention goes through self.attend(q, k, v) (q, k, v [batch, length, heads, head_dim],
 #      causal) and token positions come from self.positions(length): context_parallel.py, where
 #      each device holds pieces of every sequence, passes ring attention and the positions of
-#      its pieces. A mixture of experts reaches its experts through self.to_experts (MoeMlp).
+#      its pieces. A mixture of experts reaches its experts through self.to_experts, and the
+#      routing of the whole sequence through self.whole_sequence (MoeMlp).
 #   4. No parameter is shared between pieces (pipeline.py places them on different devices):
 #      an untied head. Randomness only from Flax's 'dropout' rng (nn.Dropout).
 #
@@ -197,6 +198,13 @@ def causal_attention(q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True)
 
 
+def this_sequence(x):
+    """x: [rows, length, ...], something of each of this device's tokens; the same for every
+    token of their sequences. Here they are all here. (context_parallel.py, where each device
+    holds pieces of every sequence, passes an all-gather of the pieces.)"""
+    return x
+
+
 def experts_here(experts, x):
     """Run the experts on the tokens dispatched to them, on this device. x: [experts, rows,
     capacity, features], each expert's slots. (expert_parallel.py passes its own: an all-to-all
@@ -211,6 +219,7 @@ class Piece(nn.Module):
     attend: Callable = causal_attention
     positions: Callable = sequence_positions
     to_experts: Callable = experts_here
+    whole_sequence: Callable = this_sequence
 
 
 class Embed(Piece):
@@ -287,21 +296,22 @@ class MoeMlp(nn.Module):
     """A mixture of --experts MLPs (GShard, Switch): a router sends each token to its --top-k
     experts, whose outputs, weighted by the router's probabilities, are summed.
 
-    Routing is decided per sequence, so it is the same computation however the batch is split:
-    each expert takes at most `capacity` of a sequence's tokens (first choices first, then in
-    order), the rest of its tokens skip it, counted as dropped. Tokens reach their experts as a
-    fixed-size buffer [experts, rows, capacity, features] (one-hot dispatch, as in GShard), which
-    `to_experts` runs. Also returns sums over the rows: the load-balancing loss, tokens per
-    expert and tokens dropped (see Block)."""
+    Routing is decided per whole sequence, so it is the same computation however the batch is
+    split: each expert takes at most `capacity` of a sequence's tokens (first choices first,
+    then in order), the rest of its tokens skip it, counted as dropped. Tokens reach their
+    experts as a fixed-size buffer [experts, rows, capacity, features] (one-hot dispatch, as in
+    GShard), which `to_experts` runs. Also returns sums over the rows: the load-balancing loss,
+    tokens per expert and tokens dropped (see Block)."""
 
     config: Config
     to_experts: Callable = experts_here
+    positions: Callable = sequence_positions
+    whole_sequence: Callable = this_sequence
 
     @nn.compact
     def __call__(self, x, deterministic):
         c = self.config
         rows, length, _ = x.shape
-        slots = capacity(c, length)
         # The router works in float32: which expert a token goes to must not hang on rounding.
         router = nn.Dense(
             c.experts, use_bias=False, dtype=jnp.float32, kernel_init=_init(("embed", None)), name="router"
@@ -312,9 +322,13 @@ class MoeMlp(nn.Module):
         chosen = jax.nn.one_hot(expert, c.experts)  # [rows, length, k, experts]
         # A token's slot in its expert: first choices of the whole sequence come first, then
         # second choices, each in order along the sequence. Slots past `slots` are dropped:
-        # one_hot gives them no slot at all.
-        order = chosen.swapaxes(1, 2).reshape(rows, c.top_k * length, c.experts)
-        taken = (jnp.cumsum(order, axis=1) - 1).reshape(rows, c.top_k, length, c.experts).swapaxes(1, 2)
+        # one_hot gives them no slot at all. (Every token's choices, in sequence order.)
+        mine = self.positions(length)
+        everyone = self.whole_sequence(mine[None])[0]
+        choices = jnp.zeros_like(self.whole_sequence(chosen)).at[:, everyone].set(self.whole_sequence(chosen))
+        whole, slots = choices.shape[1], capacity(c, choices.shape[1])
+        order = choices.swapaxes(1, 2).reshape(rows, c.top_k * whole, c.experts)
+        taken = (jnp.cumsum(order, axis=1) - 1).reshape(rows, c.top_k, whole, c.experts).swapaxes(1, 2)[:, mine]
         slot = jax.nn.one_hot(jnp.sum(taken * chosen, -1).astype(jnp.int32), slots)  # [rows, length, k, slots]
         dispatch = jnp.einsum("blke,blks->bles", chosen, slot)
         combine = jnp.einsum("blke,blks->bles", chosen * gate[..., None], slot)
@@ -326,7 +340,7 @@ class MoeMlp(nn.Module):
         # Load balance (Switch Transformer, eq. 4, per sequence): experts x sum over experts of
         # (share of the sequence's choices it got) x (its mean router probability); 1 when even.
         # Counted once per token, so that it adds up like the cross-entropy.
-        balance = c.experts * jnp.sum(chosen.mean((1, 2)) * probs.mean(1), -1)
+        balance = c.experts * jnp.sum(choices.mean((1, 2)) * self.whole_sequence(probs).mean(1), -1)
         per_expert = dispatch.sum((0, 1, 3))
         stats = {
             "aux_loss_sum": c.router_aux_weight * length * balance.sum(),
@@ -342,7 +356,8 @@ class Block(Piece):
         x = x + Attention(self.config, self.attend, name="attn")(_layer_norm(self.config, "ln1")(x), deterministic)
         h = _layer_norm(self.config, "ln2")(x)
         if self.config.experts:
-            h, stats = MoeMlp(self.config, self.to_experts, name="mlp")(h, deterministic)
+            moe = MoeMlp(self.config, self.to_experts, self.positions, self.whole_sequence, name="mlp")
+            h, stats = moe(h, deterministic)
         else:
             h, stats = Mlp(self.config, name="mlp")(h, deterministic), None
         x = nn.with_logical_constraint(x + h, ("batch", "length", "act_embed"))
@@ -416,9 +431,10 @@ class Model(nn.Module):
     logits and what the blocks report, added up over the blocks ({} for the dense GPT).
 
     `wrap` is applied to each piece's class before the piece is built; fsdp.py passes one that
-    all-gathers a piece's parameters just before it runs. `attend`, `positions` and `to_experts`
-    go to every piece: context_parallel.py, where each device holds a piece of every sequence,
-    passes its own attention and positions; expert_parallel.py its way to the experts.
+    all-gathers a piece's parameters just before it runs. `attend`, `positions`, `to_experts`
+    and `whole_sequence` go to every piece: context_parallel.py, where each device holds pieces
+    of every sequence, passes its own attention, positions and a gather of the pieces;
+    expert_parallel.py its way to the experts.
     """
 
     config: Config
@@ -427,11 +443,12 @@ class Model(nn.Module):
     attend: Callable = causal_attention
     positions: Callable = sequence_positions
     to_experts: Callable = experts_here
+    whole_sequence: Callable = this_sequence
 
     @nn.compact
     def __call__(self, tokens, deterministic: bool = True):
         c, (embed, block, head) = self.config, self.pieces
-        hooks = (self.attend, self.positions, self.to_experts)
+        hooks = (self.attend, self.positions, self.to_experts, self.whole_sequence)
         x = self.wrap(embed)(c, *hooks, name="embed")(tokens, deterministic)
         block = self.wrap(block)
         if c.remat:  # keep only each block's input; the backward pass runs the block again
@@ -464,8 +481,9 @@ def make_model(
     attend: Callable = causal_attention,
     positions: Callable = sequence_positions,
     to_experts: Callable = experts_here,
+    whole_sequence: Callable = this_sequence,
 ) -> Model:
-    return Model(config, model_pieces(config.model), wrap, attend, positions, to_experts)
+    return Model(config, model_pieces(config.model), wrap, attend, positions, to_experts, whole_sequence)
 
 
 def init_params(model: Model, rng):

@@ -60,12 +60,6 @@ class Config(common.Config):
 
     def validate(self):
         super().validate()
-        common.require(
-            not self.experts,
-            "experts",
-            "must be 0 here: context_parallel.py does not yet route a mixture of experts per whole sequence "
-            "(each device holds pieces of it); train one with expert_parallel.py, fsdp.py or pjit_tp.py, e.g. --experts 0",
-        )
         pieces = 2 * self.mesh_axes()["context"]
         common.require(
             self.seq_len % pieces == 0,
@@ -173,8 +167,16 @@ def init_state(config, mesh, shapes_only=False):
     return create.eval_shape() if shapes_only else create()
 
 
+def whole_sequence(x):
+    """Something of each of this device's tokens, [rows, local length, ...], gathered from every
+    device of 'context': the same for all the tokens of the rows' sequences, in the devices'
+    order (`positions` says where each token is). A mixture of experts routes a sequence as a
+    whole: an expert's capacity and the load balance count all of its tokens."""
+    return lax.all_gather(x, "context", axis=1, tiled=True)
+
+
 def make_model(config):
-    return common.make_model(config, attend=ring_attention, positions=positions)
+    return common.make_model(config, attend=ring_attention, positions=positions, whole_sequence=whole_sequence)
 
 
 def train_step(state, batch, microbatches):

@@ -158,7 +158,7 @@ def test_matches_single_device_reference(name):
     assert run(name).losses[-1] < run(name).losses[0] - 1  # and it learned something
 
 
-MOE_TRAINERS = [name for name in STRATEGIES if not name.startswith(("context", "expert"))]
+MOE_TRAINERS = [name for name in STRATEGIES if not name.startswith("expert")]
 
 
 @pytest.mark.parametrize("name", MOE_TRAINERS)
@@ -184,6 +184,17 @@ def test_a_model_the_scripts_do_not_know_matches(name, monkeypatch):
     attention) through every script and preset, against one device training it."""
     monkeypatch.setattr(pjit_tp, "PARAM_SPECS", LLAMA_SPECS + pjit_tp.PARAM_SPECS)
     compare(name, run_uncached(name, model="tests.llama"), reference(model="tests.llama"))
+
+
+@pytest.mark.parametrize("name", ["expert_parallel", "context_parallel"])
+def test_the_same_tokens_are_dropped(name):
+    """With capacity for half the tokens, about half the choices are dropped: the same ones as on
+    one device, where each device holds some of a sequence's tokens (context_parallel.py) or
+    sends them to other devices' experts (expert_parallel.py)."""
+    flags = {**MOE, "capacity_factor": 0.5, "steps": 10}
+    ref = reference(**flags)
+    assert min(step["dropped_share"] for step in ref.router) > 0.3
+    compare(f"{name} --capacity-factor 0.5", run(name, **flags), ref)
 
 
 @pytest.mark.parametrize("name", DEFAULTS.values())

@@ -56,7 +56,6 @@ BAD_INPUTS = [
     (["--experts", "8", "--top-k", "9"], ("fsdp",), "--top-k must be from 1 to --experts 8"),
     (["--experts", "2", "--top-k", "0"], ("pjit_tp",), "--top-k must be from 1 to --experts 2"),
     (["--experts", "8", "--capacity-factor", "-1"], ("shardmap_dp",), "--capacity-factor must be zero or more"),
-    (["--experts", "8"], ("context_parallel",), "--experts must be 0 here"),
     (["--experts", "0"], ("expert_parallel",), "--experts must be positive: this script splits experts"),
     (["--experts", "6", "--mesh", "data=2,expert=4"], ("expert_parallel",), "expert=4 must divide --experts 6"),
     (["--model", "tests/llama.py"], ("expert_parallel",), "has no parameter with an axis named 'expert'"),
