@@ -126,7 +126,7 @@ class Config:
 # your own (--model). What a model must offer, its contract:
 #
 #   1. Three Flax linen module classes named Embed, Block and Head, each a Piece: built as
-#      Piece(config, attend, positions), called as piece(x, deterministic).
+#      Piece(config, *hooks) (the hooks below), called as piece(x, deterministic).
 #        Embed: tokens [batch, length] int32 -> activations [batch, length, features];
 #        Block: activations -> (activations of the same shape and dtype, sums), --layers of
 #               them in turn ((carry, output): the signature nn.scan iterates). sums is None,
@@ -411,13 +411,14 @@ def model_pieces(name: str) -> Pieces:
     require(not missing, "model", f"{name} defines no {', '.join(missing)}: a model is three Flax modules named Embed, "
             "Block and Head (common.py's model contract; README: Your own model and data)")  # fmt: skip
     pieces = Pieces(*(getattr(module, piece) for piece in Pieces._fields))
+    hooks = [f.name for f in dataclasses.fields(Piece) if f.name not in ("parent", "name")]
     for piece in pieces:
         fields = {f.name for f in dataclasses.fields(piece)} if dataclasses.is_dataclass(piece) else set()
         require(
-            issubclass(piece, nn.Module) and {"config", "attend", "positions"} <= fields,
+            issubclass(piece, nn.Module) and set(hooks) <= fields,
             "model",
             f"{name}: {piece.__name__} is not a common.Piece: subclass it, so that it is built as "
-            f"{piece.__name__}(config, attend, positions) (common.py's model contract)",
+            f"{piece.__name__}({', '.join(hooks)}) (common.py's model contract)",
         )
     return pieces
 
