@@ -215,7 +215,12 @@ def test_remat_matches():
         compare(f"{name} --remat", run(name, remat=True), reference())
 
 
-@pytest.mark.parametrize("name", STRATEGIES)
+# The logical presets take the norm as pjit_tp.py does (the compiler, from the shardings): one
+# of them stands for all; so does one of expert_parallel.py's meshes.
+CLIPPED = [name for name in STRATEGIES if name not in ("logical_dp", "logical_fsdp", "logical_hsdp", "logical_tp")]
+
+
+@pytest.mark.parametrize("name", [name for name in CLIPPED if name != "expert_parallel_8"])
 def test_clipping_matches(name):
     """Clipping by the global norm, with a threshold so low that it binds on every step: the
     norm is over the whole model, whatever piece of the gradient each device holds."""
@@ -238,11 +243,11 @@ def test_vocabulary_is_split_over_model(name):
     compare(f"{name} --vocab-size 4096", result, reference(vocab_size=4096))
 
 
-PIPELINES = [("data=2,stage=4", 4), ("data=1,stage=8", 8)]  # --mesh, --layers
+# Each schedule on a deeper pipeline (both run on data=4,stage=2 above): --mesh, --layers.
+PIPELINES = [("gpipe", "data=2,stage=4", 4), ("1f1b", "data=1,stage=8", 8)]
 
 
-@pytest.mark.parametrize("schedule", pipeline.SCHEDULES)
-@pytest.mark.parametrize("mesh, layers", PIPELINES, ids=[mesh for mesh, _ in PIPELINES])
+@pytest.mark.parametrize("schedule, mesh, layers", PIPELINES, ids=[f"{s}-{mesh}" for s, mesh, _ in PIPELINES])
 def test_pipeline_matches(schedule, mesh, layers):
     result = run(f"pipeline_{schedule}", mesh=mesh, layers=layers, microbatches=8)
     compare(f"pipeline {schedule} --mesh {mesh}", result, reference(layers=layers))

@@ -390,7 +390,7 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
     config = common.Config(**{**SMALL, "checkpoint_dir": str(tmp_path), "checkpoint_every": 1})
     state = run("shardmap_dp").state
     broken = state.replace(params=jax.tree.map(lambda x: x.at[0].set(jnp.inf), state.params))
-    log = common.StepLosses(common.Watchdog(0))
+    log = common.StepLosses(common.Watchdog(0), config.layers)
     log.values = [2.5]  # the finite loss of the step that made the state
     checkpoints = common.Checkpoints(config)
     try:
