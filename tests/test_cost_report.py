@@ -192,7 +192,10 @@ def test_scanned_compile_time_does_not_grow_with_layers(tmp_path):
         assert done.returncode == 0, done.stderr[-2000:]
         seconds[layers] = json.loads(metrics.read_text().splitlines()[-1])["summary"]["compile_seconds"]
     print(f"\nlogical_pjit --scan-layers compile: 2 layers {seconds[2]:.2f}s, 12 layers {seconds[12]:.2f}s")
-    assert seconds[12] <= 1.5 * seconds[2]
+    # Measured: 12 layers take 0.9x the 2-layer time on a quiet machine and up to 1.52x beside
+    # the suite's other worker (wall-clock time shares the 2 cores); without --scan-layers they
+    # take 3.2x. 2x tells the two apart under load.
+    assert seconds[12] <= 2 * seconds[2]
 
 
 def test_show_sharding_prints_every_parameter(tmp_path):
