@@ -324,8 +324,8 @@ class MoeMlp(nn.Module):
         # second choices, each in order along the sequence. Slots past `slots` are dropped:
         # one_hot gives them no slot at all. (Every token's choices, in sequence order.)
         mine = self.positions(length)
-        everyone = self.whole_sequence(mine[None])[0]
-        choices = jnp.zeros_like(self.whole_sequence(chosen)).at[:, everyone].set(self.whole_sequence(chosen))
+        everyone, gathered = self.whole_sequence(mine[None])[0], self.whole_sequence(chosen)
+        choices = jnp.zeros_like(gathered).at[:, everyone].set(gathered)
         whole, slots = choices.shape[1], capacity(c, choices.shape[1])
         order = choices.swapaxes(1, 2).reshape(rows, c.top_k * whole, c.experts)
         taken = (jnp.cumsum(order, axis=1) - 1).reshape(rows, c.top_k, whole, c.experts).swapaxes(1, 2)[:, mine]
