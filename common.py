@@ -66,6 +66,12 @@ class Config:
     clip_norm: float = arg(1.0, "scale the gradient down to this global norm when it is larger (0: no clipping)")
     seed: int = arg(0, "seed of the parameters, the dropout masks and the batch sequence")
     dtype: str = arg("float32", "compute dtype; parameters stay float32", choices=("float32", "bfloat16"))
+    attention: str = arg(
+        "auto",
+        "the attention kernel: cudnn (fused, on an NVIDIA GPU in bfloat16: memory linear in --seq-len), xla "
+        "(the whole score matrix), auto (cudnn where it can run, else xla)",
+        choices=("auto", "xla", "cudnn"),
+    )
     vocab_size: int = arg(256, "tokens of the synthetic source, e.g. 50304 as GPT-2's; text is read as bytes: 256")
     model: str = arg("gpt", "the model: gpt, or a Python file or module of your own defining Embed, Block and Head")
     experts: int = arg(0, "mixture of experts: every block's MLP becomes this many expert MLPs and a router (0: dense)")
@@ -192,10 +198,22 @@ def sequence_positions(length: int):
     return jnp.arange(length)
 
 
-def causal_attention(q, k, v):
+def causal_attention(q, k, v, implementation="xla"):
     """Softmax attention of each position to itself and those before it. q, k, v: [batch,
-    length, heads, head_dim]. (context_parallel.py passes ring attention instead.)"""
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    length, heads, head_dim]; the scores and the softmax in float32 whatever the dtype of q.
+    (context_parallel.py passes ring attention instead.)"""
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+
+
+def attention_kernel(config: Config) -> str:
+    """--attention as jax.nn.dot_product_attention's `implementation`. cuDNN's fused kernel
+    never builds the [length, length] scores; it runs on NVIDIA GPUs, in bfloat16 or float16
+    only, for head sizes up to 128 that are multiples of 8. JAX's default is always 'xla'."""
+    if config.attention != "auto":
+        return config.attention
+    head_dim = config.d_model // config.heads
+    nvidia = "nvidia" in jax.devices()[0].device_kind.lower()
+    return "cudnn" if nvidia and config.dtype == "bfloat16" and head_dim % 8 == 0 and head_dim <= 128 else "xla"
 
 
 def this_sequence(x):
@@ -479,11 +497,13 @@ class Model(nn.Module):
 def make_model(
     config: Config,
     wrap: Callable[[type], type] = unwrapped,
-    attend: Callable = causal_attention,
+    attend: Callable | None = None,
     positions: Callable = sequence_positions,
     to_experts: Callable = experts_here,
     whole_sequence: Callable = this_sequence,
 ) -> Model:
+    """The configured model; `attend` None: causal_attention with --attention's kernel."""
+    attend = attend or functools.partial(causal_attention, implementation=attention_kernel(config))
     return Model(config, model_pieces(config.model), wrap, attend, positions, to_experts, whole_sequence)
 
 
@@ -989,6 +1009,16 @@ def check_flags(config: Config):
         f"must be {BYTES} for text, which is read as bytes, e.g. --vocab-size {BYTES}",
     )
     require(config.dtype in ("float32", "bfloat16"), "dtype", "must be float32 or bfloat16, e.g. --dtype bfloat16")
+    if config.attention == "cudnn":
+        kind = jax.devices()[0].device_kind
+        require("nvidia" in kind.lower(), "attention", f"cudnn needs an NVIDIA GPU, not {kind}: e.g. --attention auto")
+        require(config.dtype == "bfloat16", "attention", "cudnn computes in bfloat16 only, e.g. --dtype bfloat16")
+        head_dim = config.d_model // max(1, config.heads)
+        require(
+            head_dim % 8 == 0 and head_dim <= 128, "attention",
+            f"cudnn takes heads of 8 to 128 units in steps of 8, not --d-model / --heads = {head_dim}: e.g. "
+            f"--heads {max(1, config.d_model // 64)}",
+        )  # fmt: skip
     require(
         config.d_model % config.heads == 0,
         "heads",
@@ -1170,6 +1200,18 @@ CPU_COLLECTIVE_TIMEOUTS = {
 }
 
 
+def cpu_client_threads(devices: int) -> int:
+    """Threads for XLA's CPU client, which runs every emulated device's share of a program on
+    one pool of max(cores, devices) threads: on 2 cores with 4 devices, exactly 4. A program
+    with collectives holds a thread per device until every device has joined; launching the
+    next program holds one per device as well, blocked once a device has 32 programs in
+    flight. With both, N launches and N - 1 devices waiting in the collective can hold 2N - 1
+    threads, the last device never gets one, and the run hangs for good in its collective,
+    deaf to Ctrl-C (tools/cpu_deadlock.py: 8 devices hang with 15 threads, never with 16).
+    So: at least 2 x devices. (XLA reads this number from the PJRT_NPROC variable.)"""
+    return max(os.cpu_count() or 1, 2 * devices)
+
+
 def _start_devices(config: Config):
     """Set up the CPU backend's devices, join the other processes, and start the backend."""
     flags = os.environ.get("XLA_FLAGS", "")
@@ -1185,6 +1227,8 @@ def _start_devices(config: Config):
             f"--cpu-devices {count} overrides XLA_FLAGS' --xla_force_host_platform_device_count={forced.group(1)}",
             file=sys.stderr,
         )
+    if "PJRT_NPROC" not in os.environ:  # a value of the user's is kept
+        os.environ["PJRT_NPROC"] = str(cpu_client_threads(count))  # read when JAX starts the CPU backend
     try:
         # Only affects the CPU backend, so it is harmless on GPU/TPU hosts, whose real devices
         # are used unchanged. It must run before JAX starts a backend.

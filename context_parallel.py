@@ -60,6 +60,10 @@ class Config(common.Config):
 
     def validate(self):
         super().validate()
+        common.require(
+            self.attention != "cudnn", "attention", "cudnn: context_parallel.py computes attention itself, block by "
+            "block around the ring, e.g. --attention auto"
+        )  # fmt: skip
         pieces = 2 * self.mesh_axes()["context"]
         common.require(
             self.seq_len % pieces == 0,
@@ -111,6 +115,15 @@ def ring_attention(q, k, v):
     local length being this device's two pieces."""
     devices, device = lax.axis_size("context"), lax.axis_index("context")
     piece = q.shape[1] // 2
+    # Computed in float32 whatever the compute dtype: the scores and softmax, as
+    # jax.nn.dot_product_attention does, and also q, k and v and their gradients. A key piece's
+    # gradient is a sum over every query piece it meets, one block and one hop at a time; each
+    # block's part rounded to bfloat16 made ring attention's gradients twice as far off as
+    # JAX's, which sums them in one matmul. (On a TPU a float32 matmul at default precision
+    # takes bfloat16 inputs, on a GPU TensorFloat-32: about as fast. In bfloat16 each hop sends
+    # twice the bytes; a custom backward pass could send bfloat16 and keep float32 sums.)
+    compute = q.dtype
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     q_pieces = pieces_of(device, devices)
     scale = q.shape[-1] ** -0.5
     # Per query position: the running maximum of its scores, the running sum of their
@@ -130,14 +143,14 @@ def ring_attention(q, k, v):
 
                 def update(running, rows=rows, cols=cols, q_piece=q_piece, k_piece=k_piece):
                     running_max, running_sum, out = running
-                    scores = jnp.einsum("bqhd,bkhd->bhqk", q[:, rows], k[:, cols]).astype(jnp.float32) * scale
+                    scores = jnp.einsum("bqhd,bkhd->bhqk", q[:, rows], k[:, cols]) * scale
                     # Within a piece paired with itself, a query sees only the keys up to its own.
                     visible = (q_piece > k_piece) | (jnp.arange(piece)[:, None] >= jnp.arange(piece)[None, :])
                     scores = jnp.where(visible, scores, -jnp.inf)
                     new_max = jnp.maximum(running_max[..., rows], scores.max(-1))
                     rescale = jnp.exp(running_max[..., rows] - new_max)
                     weights = jnp.exp(scores - new_max[..., None])
-                    block_out = jnp.einsum("bhqk,bkhd->bqhd", weights, v[:, cols].astype(jnp.float32))
+                    block_out = jnp.einsum("bhqk,bkhd->bqhd", weights, v[:, cols])
                     return (
                         running_max.at[..., rows].set(new_max),
                         running_sum.at[..., rows].set(running_sum[..., rows] * rescale + weights.sum(-1)),
@@ -157,7 +170,7 @@ def ring_attention(q, k, v):
 
     (running, k, v), _ = lax.scan(hop, ((running_max, running_sum, out), k, v), jnp.arange(devices - 1))
     running_max, running_sum, out = attend_block(running, k, v, devices - 1)  # the last block: no hop after it
-    return (out / jnp.swapaxes(running_sum, 1, 2)[..., None]).astype(q.dtype)
+    return (out / jnp.swapaxes(running_sum, 1, 2)[..., None]).astype(compute)
 
 
 def init_state(config, mesh, shapes_only=False):

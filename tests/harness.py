@@ -17,6 +17,7 @@ from pathlib import Path
 import flax.linen as nn
 import jax
 import numpy as np
+import pytest
 
 import common
 import context_parallel
@@ -65,6 +66,21 @@ STRATEGIES["expert_parallel"] = (expert_parallel, MOE)
 STRATEGIES["expert_parallel_8"] = (expert_parallel, {**MOE, "mesh": "data=1,expert=8"})
 # Each script with its default flags, as a strategy name: logical_pjit.py defaults to fsdp_tp.
 DEFAULTS = {name: name for name in SCRIPTS} | {"logical_pjit": "logical_fsdp_tp", "pipeline": "pipeline_1f1b"}
+
+
+def matrix(values, default):
+    """A test's parameters: those in `default` run in every `pytest`, the others only in the
+    whole matrix (`pytest -m full`, see pyproject.toml). A value may be a tuple of several."""
+    return [
+        value if value in default else pytest.param(*value if isinstance(value, tuple) else [value], marks=FULL)
+        for value in values
+    ]
+
+
+FULL = pytest.mark.full
+# What every `pytest` puts each feature through: each script once, with its default flags.
+# (The other strategies, presets and pairings run with `pytest -m full`.)
+EVERY_SCRIPT = list(DEFAULTS.values())
 
 
 def model_flags(name) -> dict:

@@ -16,7 +16,9 @@ import jax
 import pytest
 
 import common
-from tests.harness import DEFAULTS, SCRIPTS, SMALL, TINY, copy_alone, run, run_script, run_uncached
+from tests.harness import (
+    DEFAULTS, ROOT, SCRIPTS, SMALL, TINY, copy_alone, matrix, run, run_script, run_uncached,
+)  # fmt: skip
 
 COMPILATIONS, LOWERINGS = [], []  # every XLA compilation, and every lowering to XLA, in this process
 jax.monitoring.register_event_duration_secs_listener(
@@ -89,6 +91,8 @@ BAD_INPUTS = [
     (["--coordinator-address", "localhost:1", "--num-processes", "2", "--process-id", "2"], ("pmap_dp",),
      "--process-id must be in 0..1"),
     (["--heartbeat-timeout", "0", "--coordinator-address", "localhost:1"], ("pmap_dp",), "--heartbeat-timeout must"),
+    (["--attention", "cudnn"], ("fsdp", "context_parallel"), "--attention cudnn"),  # a CPU; the ring's own attention
+    (["--attention", "flash"], ("fsdp",), "argument --attention: invalid choice: 'flash'"),
 ]  # fmt: skip
 
 
@@ -125,7 +129,14 @@ def test_an_axis_left_out_of_the_mesh_has_size_1():
     assert SCRIPTS["pjit_tp"].Config(mesh="model=4,data=2").mesh_axes() == {"data": 2, "model": 4}
 
 
-@pytest.mark.parametrize("name", DEFAULTS.values())
+# Each way of drawing dropout's random bits once: the compiler splitting one draw over the
+# devices (pjit_tp.py; logical_pjit.py the same), a device's index folded in by hand
+# (context_parallel.py; shardmap_dp.py, fsdp.py and expert_parallel.py the same), pmap_dp.py's
+# and pipeline.py's own.
+BITWISE = ["pjit_tp", "context_parallel", "pmap_dp", "pipeline_1f1b"]
+
+
+@pytest.mark.parametrize("name", matrix(list(DEFAULTS.values()), BITWISE))
 def test_same_flags_same_losses_bitwise(name):
     """Two runs with the same flags and seed, dropout on: identical losses, bit for bit."""
     first, second = run(name, dropout=0.1, steps=5).losses, run_uncached(name, dropout=0.1, steps=5).losses
@@ -365,3 +376,17 @@ def test_the_stall_watchdog_ends_with_the_run():
     run_uncached("shardmap_dp", steps=2, eval_every=0)
     time.sleep(2)  # a stopped watchdog's thread ends within a second
     assert not [thread for thread in threading.enumerate() if thread.name == "stall-watchdog"]
+
+
+def test_devices_far_behind_the_host_do_not_deadlock():
+    """tools/cpu_deadlock.py runs 300 programs with an all-gather over 4 emulated devices, none
+    waited for. With XLA's own thread pool on this 2-core machine (4 threads: one per device) it
+    hangs for good in its first all-gather; with the scripts' 2 x devices (common.py,
+    cpu_client_threads) it finishes in under a second."""
+    env = {key: value for key, value in os.environ.items() if key != "PJRT_NPROC"}  # as a user's shell: none set
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "cpu_deadlock.py"), "--devices", "4"], env=env, capture_output=True,
+        text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0 and "done: 300 steps" in done.stdout, done.stderr[-2000:]
+    assert f"PJRT_NPROC={max(os.cpu_count(), 8)}" in done.stdout

@@ -18,7 +18,9 @@ import common
 import context_parallel
 import fsdp
 import pipeline
-from tests.harness import DEVICES, ROOT, SMALL, TINY, as_flags, copy_alone, run, run_script, run_uncached, state_bytes
+from tests.harness import (
+    DEVICES, ROOT, SMALL, TINY, as_flags, copy_alone, matrix, run, run_script, run_uncached, state_bytes,
+)  # fmt: skip
 
 REPORT_KEYS = {
     "tokens_per_sec", "step_seconds", "compile_seconds", "param_count", "flops_per_token", "mfu",
@@ -80,7 +82,7 @@ def test_collectives_are_counted_per_step_and_device():
     assert found == {"all-gather": (3, 64 * 4 * 4), "all-reduce": (1, 8 * 4 * 4), "reduce-scatter": (1, 16 * 2)}
 
 
-@pytest.mark.parametrize("name", ["fsdp", "pjit_tp", "logical_fsdp_tp"])
+@pytest.mark.parametrize("name", matrix(["fsdp", "pjit_tp", "logical_fsdp_tp"], ["fsdp", "pjit_tp"]))
 def test_scanned_layers_cost_the_same_communication(name):
     """With --scan-layers the blocks' collectives sit in a while loop; counted per iteration,
     a step moves the same bytes as unscanned."""
