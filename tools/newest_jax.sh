@@ -8,7 +8,7 @@
 # chroot, mount); the root file system is built once and reused, the packages are upgraded on
 # every run.
 #
-#   sudo tools/newest_jax.sh                          # the whole suite, about 21 minutes
+#   sudo tools/newest_jax.sh                          # the whole suite, about 18 minutes
 #   sudo tools/newest_jax.sh test_equivalence.py -x   # the headline proof alone
 #   NEWEST_JAX_ROOT=/srv/trixie sudo -E tools/newest_jax.sh
 set -euo pipefail
