@@ -206,14 +206,27 @@ def causal_attention(q, k, v, implementation="xla"):
 
 
 def attention_kernel(config: Config) -> str:
-    """--attention as jax.nn.dot_product_attention's `implementation`. cuDNN's fused kernel
-    never builds the [length, length] scores; it runs on NVIDIA GPUs, in bfloat16 or float16
-    only, for head sizes up to 128 that are multiples of 8. JAX's default is always 'xla'."""
+    """--attention as jax.nn.dot_product_attention's `implementation`; 'auto' is cuDNN's fused
+    kernel, which never builds the [length, length] scores, wherever it can run. (JAX's own
+    default is always 'xla'.)"""
     if config.attention != "auto":
         return config.attention
-    head_dim = config.d_model // config.heads
-    nvidia = "nvidia" in jax.devices()[0].device_kind.lower()
-    return "cudnn" if nvidia and config.dtype == "bfloat16" and head_dim % 8 == 0 and head_dim <= 128 else "xla"
+    return "xla" if why_not_cudnn(config) else "cudnn"
+
+
+def why_not_cudnn(config: Config) -> str | None:
+    """Why cuDNN's fused attention cannot run this model here, or None: it runs on NVIDIA GPUs,
+    in bfloat16 (or float16), for heads of up to 128 units in steps of 8."""
+    kind, head_dim = jax.devices()[0].device_kind, config.d_model // max(1, config.heads)
+    if "nvidia" not in kind.lower():
+        return f"needs an NVIDIA GPU, not {kind}: e.g. --attention auto"
+    if config.dtype != "bfloat16":
+        return "computes in bfloat16 only, e.g. --dtype bfloat16"
+    if head_dim % 8 or head_dim > 128:
+        return (
+            f"takes heads of 8 to 128 units in steps of 8, not {head_dim}: e.g. --heads {max(1, config.d_model // 64)}"
+        )
+    return None
 
 
 def this_sequence(x):
@@ -1009,16 +1022,8 @@ def check_flags(config: Config):
         f"must be {BYTES} for text, which is read as bytes, e.g. --vocab-size {BYTES}",
     )
     require(config.dtype in ("float32", "bfloat16"), "dtype", "must be float32 or bfloat16, e.g. --dtype bfloat16")
-    if config.attention == "cudnn":
-        kind = jax.devices()[0].device_kind
-        require("nvidia" in kind.lower(), "attention", f"cudnn needs an NVIDIA GPU, not {kind}: e.g. --attention auto")
-        require(config.dtype == "bfloat16", "attention", "cudnn computes in bfloat16 only, e.g. --dtype bfloat16")
-        head_dim = config.d_model // max(1, config.heads)
-        require(
-            head_dim % 8 == 0 and head_dim <= 128, "attention",
-            f"cudnn takes heads of 8 to 128 units in steps of 8, not --d-model / --heads = {head_dim}: e.g. "
-            f"--heads {max(1, config.d_model // 64)}",
-        )  # fmt: skip
+    if config.attention == "cudnn" and (problem := why_not_cudnn(config)):
+        require(False, "attention", f"cudnn {problem}")
     require(
         config.d_model % config.heads == 0,
         "heads",

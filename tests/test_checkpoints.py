@@ -206,9 +206,10 @@ def two_processes(script, tmp_path, metrics_file):
     return [json.loads(line) for line in (tmp_path / metrics_file).read_text().splitlines()][:-1]
 
 
-@pytest.mark.parametrize(
-    "script", matrix(["fsdp", "pmap_dp"], ["fsdp"])
-)  # each process its shards; one copy per device
+TWO_PROCESS_WRITERS = ["fsdp", "pmap_dp"]  # each process its shards; one copy per device
+
+
+@pytest.mark.parametrize("script", matrix(TWO_PROCESS_WRITERS, ["fsdp"]))
 def test_two_processes_resume(script, tmp_path):
     first = two_processes(script, tmp_path, "first.jsonl")
     shutil.rmtree(tmp_path / "ckpt" / "10")
