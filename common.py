@@ -14,6 +14,7 @@ import json
 import logging
 import math
 import os
+import queue
 import re
 import shutil
 import signal
@@ -93,6 +94,7 @@ class Config:
     tfds_manual_dir: str | None = arg(None, "already downloaded source files for preparing a TFDS dataset offline")
     eval_every: int = arg(100, "evaluate on held-out batches every this many steps (0: never)")
     eval_batches: int = arg(8, "held-out batches per evaluation, the same ones every time")
+    prefetch: int = arg(2, "batches made ahead in a thread while steps run (0: each made when its step comes)")
     checkpoint_dir: str | None = arg(None, "save checkpoints here, and resume from the latest one found")
     checkpoint_every: int = arg(100, "steps between checkpoints; the last step and SIGTERM always save")
     keep: int = arg(3, "how many of the most recent checkpoints to keep")
@@ -657,6 +659,7 @@ class SyntheticData:
                 if change < 1e-12:
                     break
         self.stationary = np.cumsum(pi / pi.sum())
+        self.walk_tables = None  # the chain on the host's CPU device, for _markov_walk
         self.loss_floor = float(-(pi / pi.sum()) @ np.sum(probs * np.log(probs), axis=1))
 
     def describe(self) -> str:
@@ -665,19 +668,47 @@ class SyntheticData:
     def batch(self, step: int, start: int, stop: int, split: str = "train") -> np.ndarray:
         """Rows [start, stop) of batch `step` of a split ('train' or 'eval'): int32 [rows, seq_len + 1]."""
         # One generator per (seed, split, step, row): any slice of a batch can be made on its own.
-        uniforms = np.stack(
+        # Uniforms u = k / 2**53 from integers k < 2**53 (numpy's Generator.random() exactly).
+        k = np.stack(
             [
-                np.random.default_rng((self.seed, SPLITS[split], step, row)).random(self.seq_len + 1)
+                np.random.PCG64((self.seed, SPLITS[split], step, row)).random_raw(self.seq_len + 1) >> 11
                 for row in range(start, stop)
             ]
-        )
-        tokens = np.empty(uniforms.shape, np.int32)
-        tokens[:, 0] = np.minimum(np.searchsorted(self.stationary, uniforms[:, 0]), self.vocab - 1)
-        for t in range(1, self.seq_len + 1):
-            previous = tokens[:, t - 1]
-            choice = (uniforms[:, t, None] > self.cumulative[previous]).sum(axis=1)
-            tokens[:, t] = self.successors[previous, np.minimum(choice, self.successors.shape[1] - 1)]
-        return tokens
+        ).astype(np.int64)
+        first = np.minimum(np.searchsorted(self.stationary, k[:, 0] * 2.0**-53), self.vocab - 1)
+        # Then token t + 1 is successors[s, j] for the first j with u[t + 1] <= cumulative[s, j], s
+        # token t. The walk is sequential, so it runs as one compiled loop, not a Python one (9 ms
+        # -> 0.5 ms for 8 x 1,024 tokens), in exact integers: u > c exactly when k > floor(c * 2**53).
+        # Both halved into 32 bits, so JAX needs no 64-bit types: the tokens are numpy's, bit for bit.
+        if self.walk_tables is None:  # made here, not in __init__: devices may not be started then
+            bounds = np.floor(self.cumulative * 2.0**53).astype(np.int64)
+            self.walk_tables = jax.device_put(
+                (_high(bounds), _low(bounds), self.successors.astype(np.int32)), jax.local_devices(backend="cpu")[0]
+            )
+        walked = _markov_walk(first.astype(np.int32), _high(k[:, 1:].T), _low(k[:, 1:].T), *self.walk_tables)
+        return np.concatenate([first[:, None], np.asarray(walked).T], axis=1).astype(np.int32)
+
+
+def _high(k):
+    return (k >> 32).astype(np.int32)
+
+
+def _low(k):
+    return (k & 0xFFFFFFFF).astype(np.uint32)
+
+
+@jax.jit
+def _markov_walk(first, k_high, k_low, bound_high, bound_low, successors):
+    """SyntheticData's walk: tokens [positions, rows] after `first` [rows]."""
+
+    def next_token(token, k):
+        high, low = k[0][:, None], k[1][:, None]
+        above = (high > bound_high[token]) | ((high == bound_high[token]) & (low > bound_low[token]))
+        choice = jnp.minimum(above.sum(axis=1), successors.shape[1] - 1)  # [rows]
+        token = jnp.take_along_axis(successors[token], choice[:, None], axis=1)[:, 0]
+        return token, token
+
+    return jax.lax.scan(next_token, first, (k_high, k_low), unroll=4)[1]
 
 
 class TextData:
@@ -805,6 +836,51 @@ def eval_batches(dataset, config: Config) -> list:
     if not config.eval_every:
         return []
     return [host_batch(dataset, config, i, "eval") for i in range(config.eval_batches)]
+
+
+def train_batches(dataset, config: Config, start: int, log: "Logger"):
+    """(step, this process's share of batch `step`) for the steps from `start` to --steps, made
+    --prefetch batches ahead in a thread while the steps run, so the loop does not wait for the
+    host (a batch depends only on its step: which thread makes it changes nothing). The time the
+    loop still waits for each batch goes into log.data_seconds."""
+    steps = range(start, config.steps)
+    if not config.prefetch:
+        made = ((step, host_batch(dataset, config, step)) for step in steps)
+    else:
+        ready, stopped = queue.Queue(config.prefetch), threading.Event()
+
+        def make():
+            for step in steps:
+                try:
+                    item = (step, host_batch(dataset, config, step))
+                except BaseException as error:  # raised in the loop instead, where the run handles it
+                    item = (step, error)
+                while not stopped.is_set():
+                    try:
+                        ready.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stopped.is_set() or isinstance(item[1], BaseException):
+                    return
+
+        thread = threading.Thread(target=make, name="prefetch", daemon=True)
+        thread.start()
+        made = (ready.get() for _ in steps)
+    try:
+        while True:
+            began = time.perf_counter()
+            step, rows = next(made, (None, None))
+            if step is None:
+                return
+            log.data_seconds.append(time.perf_counter() - began)
+            if isinstance(rows, BaseException):
+                raise rows
+            yield step, rows
+    finally:  # the loop ended, or stopped early (Ctrl-C, an error): the thread stops too
+        if config.prefetch:
+            stopped.set()
+            thread.join(timeout=10)  # at most one batch being made, unless reading it hangs
 
 
 def batch_shape(config: Config, sharding) -> jax.ShapeDtypeStruct:
@@ -1001,7 +1077,7 @@ def check_flags(config: Config):
     )  # fmt: skip
     for name in positive:
         require(getattr(config, name) > 0, name, f"must be positive, {example(name)}")
-    for name in ("warmup_steps", "seed", "eval_every", "weight_decay", "clip_norm", "stall_timeout"):
+    for name in ("warmup_steps", "seed", "eval_every", "prefetch", "weight_decay", "clip_norm", "stall_timeout"):
         require(getattr(config, name) >= 0, name, f"must be zero or more, {example(name)}")
     require(0 <= config.dropout < 1, "dropout", f"must be in [0, 1), {example('dropout')}")
     for name in ("experts", "capacity_factor", "router_aux_weight"):
@@ -2158,6 +2234,16 @@ def report_lines(summary: dict) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+# What jax.checkpoint (nn.remat: --remat, fsdp.py's second gather) asks to compute again is
+# fenced by optimization barriers. XLA's CPU compiler in JAX 0.10 removes them at the start of
+# its pipeline (the pass 'cse_barrier_expander'), and common-subexpression elimination then
+# merges the recomputation back into the forward pass: on CPU, --remat kept every activation
+# (temporaries 32.3 MB instead of 10.5 MB in tests/test_cost_report.py's case) and FSDP kept every
+# gathered weight. GPU and TPU compilers, and JAX 0.12's CPU one, keep the barriers until after
+# scheduling; skipping the pass makes a CPU compile the program an accelerator compiles.
+CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+
+
 def compile_step(step_fn, *args):
     """Compile ahead of time, for the shapes and shardings of the arguments (arrays or
     jax.ShapeDtypeStructs), so the compile time is measured apart from the steps, the step is
@@ -2165,7 +2251,8 @@ def compile_step(step_fn, *args):
     step can be inspected (its HLO shows the collectives the strategy produced). The loop then
     runs this compiled step, so the report describes the program that ran."""
     start = time.perf_counter()
-    compiled = step_fn.lower(*args).compile()
+    options = CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else {}
+    compiled = step_fn.lower(*args).compile(compiler_options=options)
     seconds = time.perf_counter() - start
     check_memory(compiled)
     if jax.config.jax_debug_nans:  # JAX checks for NaNs only in calls through jit
@@ -2390,6 +2477,7 @@ class Logger:
         self.tokens_per_step = config.batch_size * config.seq_len
         self.watchdog = Watchdog(config.stall_timeout)
         self.losses, self.step_seconds, self.eval_loss = StepLosses(self.watchdog, config.layers), [], None
+        self.data_seconds = []  # per step, how long the loop waited for its batch (train_batches)
         self.file, self.earlier = None, []  # earlier: the records of the steps before `start`
         if config.metrics_file and is_main_process():
             self.file, self.earlier = open_metrics_file(config.metrics_file, start)
@@ -2509,6 +2597,7 @@ class Logger:
         # The first interval can include one-off warm-up work; use the median step time.
         step_seconds = float(np.median(self.step_seconds)) if steps else None
         tokens_per_sec = self.tokens_per_step / step_seconds if steps else None
+        data_seconds = float(np.median(self.data_seconds)) if self.data_seconds else None
         peak = peak_flops()
         # The whole run's: a resumed run's file holds the records of the steps before it.
         earlier_losses = [r["loss"] for r in self.earlier if "loss" in r]
@@ -2522,6 +2611,7 @@ class Logger:
             "loss_floor": getattr(self.dataset, "loss_floor", None),
             "tokens_per_sec": tokens_per_sec,
             "step_seconds": step_seconds,
+            "data_wait_seconds": data_seconds,
             "mfu": self.report["flops_per_token"] * tokens_per_sec / (peak * self.info["devices"])
             if steps and peak
             else None,
@@ -2531,7 +2621,8 @@ class Logger:
             floor = f" (floor {summary['loss_floor']:.4f})" if summary["loss_floor"] is not None else ""
             self.print(
                 f"done: final loss {summary['final_loss']:.4f}{floor}, "
-                f"{tokens_per_sec:,.0f} tokens/s, {step_seconds * 1e3:.1f} ms/step"
+                f"{tokens_per_sec:,.0f} tokens/s, {step_seconds * 1e3:.1f} ms/step, "
+                f"{data_seconds * 1e3:.2f} ms of it waiting for data"
             )
             self.print(report_lines(summary))
         self.write({"summary": summary})

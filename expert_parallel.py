@@ -212,8 +212,8 @@ def main(config):
     layout = f"mesh data={mesh.shape['data']},expert={mesh.shape['expert']}, experts split over 'expert'"
     log = common.Logger(config, dataset, layout, report, state.params, start)
     try:
-        for step in range(start, config.steps):
-            batch = device_batch(common.host_batch(dataset, config, step), mesh)
+        for step, rows in common.train_batches(dataset, config, start, log):  # made ahead, in a thread
+            batch = device_batch(rows, mesh)
             # The program compiled above, which the report describes.
             state, metrics = compiled(state, batch)
             log.log(step, metrics)

@@ -114,8 +114,8 @@ def main(config):
     layout = f"pmap over {jax.local_device_count()} local devices, state replicated"
     log = common.Logger(config, dataset, layout, report, state.params, start)
     try:
-        for step in range(start, config.steps):
-            batch = device_batch(common.host_batch(dataset, config, step))
+        for step, rows in common.train_batches(dataset, config, start, log):  # made ahead, in a thread
+            batch = device_batch(rows)
             # pmap runs the program compiled above (it caches it; the tests check that nothing
             # compiles in the loop). `compiled` itself would want every process's rows.
             state, metrics = step_fn(state, batch)

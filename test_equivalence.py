@@ -356,14 +356,17 @@ def primitive_count(jaxpr, name):
     return count
 
 
-def test_fsdp_gathers_again_for_the_backward_pass():
-    """Each sharded matmul kernel is all-gathered for the forward pass and again for the
-    backward (its input gradient needs it), rather than kept alive in between. Every other
+@pytest.mark.parametrize("keep", [False, True], ids=["gathers-again", "keep-gathered"])
+def test_fsdp_gathers_again_for_the_backward_pass_unless_told_to_keep(keep):
+    """By default each sharded matmul kernel is all-gathered for the forward pass and again for
+    the backward (its input gradient needs it), rather than kept alive in between; every other
     parameter only once: the backward pass of an embedding, a bias or a LayerNorm does not need
-    the parameter itself. Counted in the program JAX hands to XLA: XLA's CPU compiler merges
-    the two gathers of an unscanned block (see fsdp.gather_before_use)."""
-    config = fsdp.Config(**SMALL)
-    mesh, state = fsdp.make_mesh(config), run("fsdp").state
+    the parameter itself. With --keep-gathered, every parameter once. Both in the program JAX
+    hands to XLA and in the compiled step, the program that runs (common.CPU_COMPILER_OPTIONS
+    keeps XLA:CPU from merging the two gathers), and both train as one device does."""
+    config = fsdp.Config(**SMALL, keep_gathered=keep)
+    result = run("fsdp", keep_gathered=True) if keep else run("fsdp")
+    mesh, state = fsdp.make_mesh(config), result.state
     spec = fsdp.mesh_specs(state)
     step_fn = jax.jit(
         jax.shard_map(
@@ -375,12 +378,18 @@ def test_fsdp_gathers_again_for_the_backward_pass():
     )
     batch = fsdp.device_batch(common.load_dataset(config).batch(0, 0, config.batch_size), mesh)
     leaves = jax.tree_util.tree_leaves_with_path(state.params, is_leaf=fsdp.is_sharded)
-    sharded = [jax.tree_util.keystr(path) for path, p in leaves if fsdp.is_sharded(p)]
-    kernels = [name for name in sharded if name.endswith("['kernel']")]
+    sharded = {jax.tree_util.keystr(path): p.value.nbytes for path, p in leaves if fsdp.is_sharded(p)}
+    kernels = {name: size for name, size in sharded.items() if name.endswith("['kernel']")}
     assert len(kernels) == 4 * SMALL["layers"] + 1  # qkv, out, fc1, fc2 in every block; the head
     gathers = primitive_count(jax.make_jaxpr(step_fn)(state, batch).jaxpr, "all_gather")
-    print(f"\nfsdp: {gathers} all-gathers for {len(sharded)} sharded parameters, {len(kernels)} of them kernels")
-    assert gathers == len(sharded) + len(kernels)
+    gathered = result.summary["collectives"]["all-gather"]["bytes"]
+    print(
+        f"\nfsdp, keep gathered {keep}: {gathers} all-gathers for {len(sharded)} sharded parameters, {len(kernels)} "
+        f"of them kernels; compiled: {gathered:,} bytes, {gathered / sum(sharded.values()):.2f} x the parameters"
+    )
+    assert gathers == len(sharded) + (0 if keep else len(kernels))
+    assert gathered == sum(sharded.values()) + (0 if keep else sum(kernels.values()))
+    compare("fsdp", result, reference())
 
 
 def test_pjit_tp_splits_blocks_over_model():
