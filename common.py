@@ -677,8 +677,8 @@ class SyntheticData:
         ).astype(np.int64)
         first = np.minimum(np.searchsorted(self.stationary, k[:, 0] * 2.0**-53), self.vocab - 1)
         # Then token t + 1 is successors[s, j] for the first j with u[t + 1] <= cumulative[s, j], s
-        # token t. The walk is sequential, so it runs as one compiled loop, not a Python one (9 ms
-        # -> 0.5 ms for 8 x 1,024 tokens), in exact integers: u > c exactly when k > floor(c * 2**53).
+        # token t. The walk is sequential, so it runs as one compiled loop, not a Python one (8 x
+        # 1,024 tokens: 9.3 -> 0.6 ms), in exact integers: u > c exactly when k > floor(c * 2**53).
         # Both halved into 32 bits, so JAX needs no 64-bit types: the tokens are numpy's, bit for bit.
         if self.walk_tables is None:  # made here, not in __init__: devices may not be started then
             bounds = np.floor(self.cumulative * 2.0**53).astype(np.int64)
@@ -2238,9 +2238,9 @@ def report_lines(summary: dict) -> str:
 # fenced by optimization barriers. XLA's CPU compiler in JAX 0.10 removes them at the start of
 # its pipeline (the pass 'cse_barrier_expander'), and common-subexpression elimination then
 # merges the recomputation back into the forward pass: on CPU, --remat kept every activation
-# (temporaries 32.3 MB instead of 10.5 MB in tests/test_cost_report.py's case) and FSDP kept every
-# gathered weight. GPU and TPU compilers, and JAX 0.12's CPU one, keep the barriers until after
-# scheduling; skipping the pass makes a CPU compile the program an accelerator compiles.
+# (shardmap_dp.py at 256 tokens and 4 layers: 32.3 MB of temporaries, 10.5 MB with the barriers)
+# and fsdp.py every gathered weight. GPU and TPU compilers, and JAX 0.12's CPU one, keep the
+# barriers until after scheduling; skipping the pass makes a CPU compile what they compile.
 CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
 
@@ -2251,7 +2251,9 @@ def compile_step(step_fn, *args):
     step can be inspected (its HLO shows the collectives the strategy produced). The loop then
     runs this compiled step, so the report describes the program that ran."""
     start = time.perf_counter()
-    options = CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" else {}
+    # pmap's functions (which have no .trace) take no compiler options: pmap_dp.py's loop runs
+    # the program pmap compiles with XLA's defaults, so that is the one to compile and report.
+    options = CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" and hasattr(step_fn, "trace") else {}
     compiled = step_fn.lower(*args).compile(compiler_options=options)
     seconds = time.perf_counter() - start
     check_memory(compiled)
@@ -2622,7 +2624,7 @@ class Logger:
             self.print(
                 f"done: final loss {summary['final_loss']:.4f}{floor}, "
                 f"{tokens_per_sec:,.0f} tokens/s, {step_seconds * 1e3:.1f} ms/step, "
-                f"{data_seconds * 1e3:.2f} ms of it waiting for data"
+                f"{data_seconds * 1e3:.2f} ms/step waiting for data"
             )
             self.print(report_lines(summary))
         self.write({"summary": summary})
