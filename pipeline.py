@@ -1,4 +1,4 @@
-"""Pipeline parallelism in jax.shard_map: GPipe and 1F1B, with the schedule as data.
+"""Pipeline parallelism in jax.shard_map: GPipe, 1F1B and zero-bubble, with the schedule as data.
 
 What is where: the global batch is split by rows over the mesh axis 'data' (P('data')), each
 device taking an equal share. The blocks are cut into contiguous groups, one per device along
@@ -11,7 +11,9 @@ A step: each device cuts its rows into --microbatches micro-batches that flow th
 stages. A schedule, a table made on the host (make_schedule; --show-schedule prints it), says
 at each tick which micro-batch each stage runs forward or backward: GPipe runs every forward,
 then every backward; 1F1B starts backwards as soon as the pipeline is full and keeps at most
-`stage` micro-batches in flight on a stage, whatever their number. After each tick every
+`stage` micro-batches in flight on a stage, whatever their number; zero-bubble (ZB-H1) splits
+each backward into the input's gradient, which the previous stage waits for, and the weights'
+gradient, which nobody waits for and which fills the ticks 1F1B leaves idle. After each tick every
 stage passes its output forward and its input gradient backward to its neighbours (ppermute).
 Between a micro-batch's forward and its backward a stage keeps only that micro-batch's input;
 the backward runs jax.vjp of the stage on it, recomputing the stage as --remat does.
@@ -27,7 +29,8 @@ between stages, and each stage's gradient made by jax.vjp of its own part of the
 
 Run:
   python pipeline.py                     # a laptop: 8 emulated CPU devices, data=2,stage=4
-  python pipeline.py --schedule gpipe --show-schedule   # print the ticks, then train
+  python pipeline.py --schedule gpipe --show-schedule   # print the ticks, train nothing
+  python pipeline.py --schedule zero-bubble   # a third of 1F1B's bubble, as many micro-batches held
   python pipeline.py --distributed       # every host of a TPU pod slice (README)
 
 Read before: shardmap_dp.py. Read next: context_parallel.py, which splits the sequence instead.
@@ -49,7 +52,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +81,9 @@ class Config(common.Config):
             f"{self.layers} must split evenly over stage={stages}, e.g. --layers {stages * max(1, self.layers // stages)}",
         )
         common.require(
-            self.schedule != "1f1b" or self.microbatches >= stages,
+            self.schedule == "gpipe" or self.microbatches >= stages,
             "microbatches",
-            f"must be at least the {stages} stages for 1F1B, e.g. --microbatches {2 * stages}",
+            f"must be at least the {stages} stages for --schedule {self.schedule}, e.g. --microbatches {2 * stages}",
         )
         common.require(
             not self.scan_layers, "scan_layers", "is how the pipeline holds its blocks already: leave it out"
@@ -95,51 +98,68 @@ def make_mesh(config):
 
 
 BATCH_SPEC = P("data")  # rows split over 'data'
-IDLE, FORWARD, BACKWARD = 0, 1, 2
+# What a stage does at a tick. BACKWARD is the whole backward of a micro-batch; zero-bubble
+# splits it into INPUT_GRAD (the gradient of the stage's input, which the previous stage waits
+# for) and WEIGHT_GRAD (the gradient of its parameters, which nobody waits for).
+IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
 
 
 def stage_order(kind, stages, microbatches, s):
     """The order in which stage s runs its forwards (FORWARD, m) and backwards (BACKWARD, m).
     GPipe: every forward, then every backward. 1F1B: stages - s - 1 forwards to fill the
     pipeline, then one forward and one backward in turn, then the backwards left; so at most
-    stages - s micro-batches are between their forward and their backward on stage s."""
+    stages - s micro-batches are between their forward and their backward on stage s.
+    Zero-bubble: 1F1B's order with INPUT_GRAD for BACKWARD; make_schedule places the
+    WEIGHT_GRADs."""
     if kind == "gpipe":
         return [(FORWARD, m) for m in range(microbatches)] + [(BACKWARD, m) for m in range(microbatches)]
+    backward = INPUT_GRAD if kind == "zero-bubble" else BACKWARD
     warmup = min(stages - s - 1, microbatches)
     order = [(FORWARD, m) for m in range(warmup)]
     for m in range(microbatches):
         order += [(FORWARD, m + warmup)] if m + warmup < microbatches else []
-        order += [(BACKWARD, m)]
+        order += [(backward, m)]
     return order
 
 
 def make_schedule(kind, stages, microbatches):
     """The schedule as data: table[t, s] = (op, m, arriving forward, arriving backward): at tick
-    t stage s runs `op` (IDLE, FORWARD or BACKWARD) on micro-batch m, and at the end of the tick
-    receives the input of micro-batch `arriving forward` from stage s - 1 and the gradient of
-    micro-batch `arriving backward` from stage s + 1 (-1: none).
+    t stage s runs `op` (IDLE, FORWARD, BACKWARD, INPUT_GRAD or WEIGHT_GRAD) on micro-batch m,
+    and at the end of the tick receives the input of micro-batch `arriving forward` from stage
+    s - 1 and the gradient of micro-batch `arriving backward` from stage s + 1 (-1: none).
 
     Each stage runs its operations in stage_order's order, each at the first tick its input is
     there: a forward of m once the previous stage's forward of m has run (at an earlier tick: it
     arrives at the end of that tick), a backward once the next stage's backward of m has run
-    (on the last stage, its own forward)."""
+    (on the last stage, its own forward). Zero-bubble (ZB-H1, Qi et al. 2023): a stage whose
+    next operation cannot run yet runs the oldest WEIGHT_GRAD it owes instead of idling, and
+    holds at most `stages` micro-batches between their forward and their WEIGHT_GRAD (1F1B's
+    most, on its first stage): before a forward beyond that, it pays a WEIGHT_GRAD."""
     orders = [stage_order(kind, stages, microbatches, s) for s in range(stages)]
     forward_at = np.full((stages, microbatches), 1 << 30)  # the tick of each forward, once run
-    backward_at = np.full((stages, microbatches), 1 << 30)
+    backward_at = np.full((stages, microbatches), 1 << 30)  # of each BACKWARD or INPUT_GRAD
+    owed = [[] for _ in range(stages)]  # zero-bubble: the micro-batches whose WEIGHT_GRAD is to run
+    held = [0] * stages  # zero-bubble: micro-batches between their forward and their WEIGHT_GRAD
     position, rows = [0] * stages, []
-    while any(position[s] < len(orders[s]) for s in range(stages)):
+    while any(position[s] < len(orders[s]) or owed[s] for s in range(stages)):
         t, row = len(rows), []
         for s in range(stages):
             op, m = orders[s][position[s]] if position[s] < len(orders[s]) else (IDLE, -1)
             if op == FORWARD:
-                ready = s == 0 or forward_at[s - 1, m] < t
+                ready = (s == 0 or forward_at[s - 1, m] < t) and held[s] < stages
             else:
-                ready = op == BACKWARD and (forward_at[s, m] if s == stages - 1 else backward_at[s + 1, m]) < t
-            row.append((op, m) if ready else (IDLE, -1))
+                ready = op != IDLE and (forward_at[s, m] if s == stages - 1 else backward_at[s + 1, m]) < t
+            row.append((op, m) if ready else (WEIGHT_GRAD, owed[s][0]) if owed[s] else (IDLE, -1))
         for s, (op, m) in enumerate(row):
-            if op != IDLE:
-                (forward_at if op == FORWARD else backward_at)[s, m] = t
-                position[s] += 1
+            if op == FORWARD:
+                forward_at[s, m], held[s] = t, held[s] + (kind == "zero-bubble")
+            elif op in (BACKWARD, INPUT_GRAD):
+                backward_at[s, m] = t
+                owed[s] += [m] if op == INPUT_GRAD else []
+            elif op == WEIGHT_GRAD:
+                owed[s].pop(0)
+                held[s] -= 1
+            position[s] += op in (FORWARD, BACKWARD, INPUT_GRAD)
         rows.append(row)
     table = np.full((len(rows), stages, 4), -1, np.int32)
     for t, row in enumerate(rows):
@@ -147,20 +167,22 @@ def make_schedule(kind, stages, microbatches):
             table[t, s, :2] = op, m
             if op == FORWARD and s + 1 < stages:
                 table[t, s + 1, 2] = m
-            if op == BACKWARD and s > 0:
+            if op in (BACKWARD, INPUT_GRAD) and s > 0:
                 table[t, s - 1, 3] = m
     return table
 
 
 def in_flight(table, column):
     """The most micro-batches a stage ever holds between receiving one (the forward input:
-    column 2, or the backward gradient: 3) and its backward: how many buffer slots it needs."""
+    column 2, or the backward gradient: 3) and its last use, the backward (zero-bubble: the
+    WEIGHT_GRAD): how many buffer slots it needs."""
+    last_use = WEIGHT_GRAD if (table[:, :, 0] == WEIGHT_GRAD).any() else BACKWARD
     most = 1
     for s in range(table.shape[1]):
         held = set()
         for t in range(table.shape[0]):
             op, m, *arriving = table[t, s]
-            if op == BACKWARD:
+            if op == last_use:
                 held.discard(m)
             if arriving[column - 2] >= 0:
                 held.add(arriving[column - 2])
@@ -169,8 +191,10 @@ def in_flight(table, column):
 
 
 def show_schedule(kind, table):
-    """One line per stage, one column per tick: F3 is micro-batch 3's forward, B3 its backward."""
+    """One line per stage, one column per tick: F3 is micro-batch 3's forward, B3 its backward
+    (zero-bubble: its input's gradient), W3 its weights' gradient (zero-bubble)."""
     cells = {IDLE: lambda m: " .", FORWARD: lambda m: f"F{m}", BACKWARD: lambda m: f"B{m}"}
+    cells |= {INPUT_GRAD: lambda m: f"B{m}", WEIGHT_GRAD: lambda m: f"W{m}"}
     idle = (table[:, :, 0] == IDLE).mean()
     microbatches = len({m for op, m in table[:, 0, :2] if op == FORWARD})
     print(f"--schedule {kind} on {table.shape[1]} stages, {microbatches} micro-batches:")
@@ -321,20 +345,25 @@ def pipeline_gradients(params, batch, rng, config, table):
             (y, _), (loss, stats) = stage_forward(params, inputs[m % slots], tokens, key, config)
             return y, loss, stats
 
-        def backward():
-            forward = functools.partial(stage_forward, tokens=tokens, rng=key, config=config)
-            _, vjp, _ = jax.vjp(forward, params, inputs[m % slots], has_aux=True)
-            grad_params, grad_input = vjp((gradients_in[m % grad_slots], jnp.float32(loss_scale)))
-            return grad_params, grad_input
-
         def no_forward():
             return jnp.zeros_like(activation), jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, stats)
 
         def no_backward():
             return jax.tree.map(jnp.zeros_like, params), jnp.zeros_like(activation)
 
+        def backward(of_params=True, of_input=True):
+            """jax.vjp of the stage, recomputed from its input; the gradients not asked for are
+            zeros, and XLA drops the work that only they needed (zero-bubble's split)."""
+            forward = functools.partial(stage_forward, tokens=tokens, rng=key, config=config)
+            _, vjp, _ = jax.vjp(forward, params, inputs[m % slots], has_aux=True)
+            grad_params, grad_input = vjp((gradients_in[m % grad_slots], jnp.float32(loss_scale)))
+            zeros = no_backward()
+            return grad_params if of_params else zeros[0], grad_input if of_input else zeros[1]
+
         output, loss, more = lax.cond(op == FORWARD, forward, no_forward)
-        grad_params, grad_input = lax.cond(op == BACKWARD, backward, no_backward)
+        backwards = [no_backward, backward, functools.partial(backward, of_params=False)]
+        backwards += [functools.partial(backward, of_input=False)]  # BACKWARD, INPUT_GRAD, WEIGHT_GRAD
+        grad_params, grad_input = lax.switch(jnp.maximum(op - FORWARD, 0), backwards)
         # After each tick: activations to the next stage, their gradients to the previous one.
         received = lax.ppermute(output, "stage", to_next)
         received_gradient = lax.ppermute(grad_input, "stage", to_previous)

@@ -242,7 +242,9 @@ def test_benchmark_writes_the_table_and_the_picture(tmp_path):
 def test_1f1b_keeps_fewer_activations_than_gpipe():
     """pipeline.py on data=2,stage=4 with 4, 8 and 16 micro-batches of 2 rows (one compiled
     step each): GPipe keeps every micro-batch's input until the backwards begin, so its
-    temporaries grow with the micro-batches; 1F1B keeps at most 4 (the stages): about flat."""
+    temporaries grow with the micro-batches; 1F1B keeps at most 4 (the stages): about flat.
+    Zero-bubble keeps at most 4 too, each with its gradient once its input's gradient has run:
+    flat as well, and within 10% of 1F1B."""
     temp = {}
     for schedule in pipeline.SCHEDULES:
         for microbatches in (4, 8, 16):
@@ -257,6 +259,9 @@ def test_1f1b_keeps_fewer_activations_than_gpipe():
     assert temp["gpipe", 4] < temp["gpipe", 8] < temp["gpipe", 16]
     assert abs(gpipe_growth / activation - 12) <= 1.2  # 12 more micro-batches held, each one input
     assert onef1b_growth < 0.5 * activation
+    for microbatches in (4, 8, 16):
+        assert temp["zero-bubble", microbatches] <= 1.1 * temp["1f1b", microbatches]
+    assert temp["zero-bubble", 16] - temp["zero-bubble", 4] < 0.5 * activation
 
 
 def test_context_parallel_activation_memory():

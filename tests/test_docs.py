@@ -5,7 +5,7 @@ import re
 import subprocess
 import sys
 
-
+import pipeline
 from tests.harness import ROOT, SCRIPTS
 
 BRANCHES = ["pipeline", "context_parallel", "expert_parallel"]  # read after shardmap_dp.py, beside the chain
@@ -29,9 +29,9 @@ def test_readme_transitions_match_the_scripts():
 
 
 def test_readme_schedules_are_what_the_script_prints():
-    """docs/strategies.md's picture of the two pipeline schedules is pipeline.py's --show-schedule."""
+    """docs/strategies.md's picture of the pipeline schedules is pipeline.py's --show-schedule."""
     out = ""
-    for kind in ("gpipe", "1f1b"):
+    for kind in pipeline.SCHEDULES:
         done = subprocess.run(
             [sys.executable, "pipeline.py", "--show-schedule", "--schedule", kind, "--mesh", "data=2,stage=4",
              "--layers", "4", "--microbatches", "8"],
