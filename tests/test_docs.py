@@ -78,3 +78,12 @@ def test_readme_is_what_a_newcomer_needs():
     assert len(readme.splitlines()) <= 400
     for page in re.findall(r"\]\((docs/[\w.]+)\)", readme):
         assert (ROOT / page).exists(), page
+
+
+def test_the_count_of_bad_inputs_is_the_tests_own():
+    """docs/operations.md says how many bad inputs the command-line test tries."""
+    from tests.test_command_line import BAD_INPUTS
+
+    cases = sum(len(scripts) for _, scripts, _ in BAD_INPUTS)
+    text = (ROOT / "docs" / "operations.md").read_text()
+    assert f"({len(BAD_INPUTS)} of them, {cases} cases over the scripts they apply to)" in text
