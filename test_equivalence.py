@@ -250,13 +250,13 @@ def test_vocabulary_is_split_over_model(name):
     compare(f"{name} --vocab-size 4096", result, reference(vocab_size=4096))
 
 
-# Each schedule on a deeper pipeline (all run on data=4,stage=2 above): --mesh, --layers.
+# Each schedule on a deeper pipeline (all run on data=4,stage=2 above): --mesh, --layers; zero-bubble with -m full.
 PIPELINES = [("gpipe", "data=2,stage=4", 4), ("1f1b", "data=1,stage=8", 8), ("zero-bubble", "data=2,stage=4", 4)]
 PIPELINES += [("zero-bubble", "data=1,stage=8", 8)]
 
 
 @pytest.mark.parametrize(
-    "schedule, mesh, layers", matrix(PIPELINES, PIPELINES[:3]), ids=[f"{s}-{m}" for s, m, _ in PIPELINES]
+    "schedule, mesh, layers", matrix(PIPELINES, PIPELINES[:2]), ids=[f"{s}-{m}" for s, m, _ in PIPELINES]
 )
 def test_pipeline_matches(schedule, mesh, layers):
     result = run(f"pipeline_{schedule}", mesh=mesh, layers=layers, microbatches=8)

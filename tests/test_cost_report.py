@@ -172,7 +172,7 @@ def test_remat_keeps_less_for_the_backward_pass():
     assert remat < 0.7 * kept
 
 
-@pytest.mark.parametrize("name", ["shardmap_dp", "fsdp", "logical_fsdp_tp"])
+@pytest.mark.parametrize("name", matrix(["shardmap_dp", "fsdp", "logical_fsdp_tp"], ["fsdp"]))
 def test_remat_lowers_the_compiled_temporaries(name):
     """And the compiled step, the program that runs, holds fewer temporaries: on CPU too, since
     common.CPU_COMPILER_OPTIONS keeps the barriers that stop XLA from merging the recomputation
