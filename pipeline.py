@@ -139,20 +139,21 @@ def make_schedule(kind, stages, microbatches):
     forward_at = np.full((stages, microbatches), 1 << 30)  # the tick of each forward, once run
     backward_at = np.full((stages, microbatches), 1 << 30)  # of each BACKWARD or INPUT_GRAD
     owed = [[] for _ in range(stages)]  # zero-bubble: the micro-batches whose WEIGHT_GRAD is to run
-    held = [0] * stages  # zero-bubble: micro-batches between their forward and their WEIGHT_GRAD
+    held = [0] * stages  # micro-batches past their forward and not past their WEIGHT_GRAD
+    most = stages if kind == "zero-bubble" else microbatches  # the cap on `held`: zero-bubble's only
     position, rows = [0] * stages, []
     while any(position[s] < len(orders[s]) or owed[s] for s in range(stages)):
         t, row = len(rows), []
         for s in range(stages):
             op, m = orders[s][position[s]] if position[s] < len(orders[s]) else (IDLE, -1)
             if op == FORWARD:
-                ready = (s == 0 or forward_at[s - 1, m] < t) and held[s] < stages
+                ready = (s == 0 or forward_at[s - 1, m] < t) and held[s] < most
             else:
                 ready = op != IDLE and (forward_at[s, m] if s == stages - 1 else backward_at[s + 1, m]) < t
             row.append((op, m) if ready else (WEIGHT_GRAD, owed[s][0]) if owed[s] else (IDLE, -1))
         for s, (op, m) in enumerate(row):
             if op == FORWARD:
-                forward_at[s, m], held[s] = t, held[s] + (kind == "zero-bubble")
+                forward_at[s, m], held[s] = t, held[s] + 1
             elif op in (BACKWARD, INPUT_GRAD):
                 backward_at[s, m] = t
                 owed[s] += [m] if op == INPUT_GRAD else []
