@@ -1,10 +1,11 @@
-"""Pipeline parallelism in jax.shard_map: GPipe, 1F1B and zero-bubble, with the schedule as data.
+"""Pipeline parallelism in jax.shard_map: GPipe, 1F1B, zero-bubble and interleaved, the schedule as data.
 
 What is where: the global batch is split by rows over the mesh axis 'data' (P('data')), each
 device taking an equal share. The blocks are cut into contiguous groups, one per device along
-the mesh axis 'stage' (--mesh data=2,stage=4): they are stacked along a leading layer axis, as
---scan-layers stacks them, and that axis is split over 'stage' (P('stage')), so each device
-holds one stage's blocks and their Adam moments. The embedding runs on the first stage and the
+the mesh axis 'stage' (--mesh data=2,stage=4): they are stacked along a layer axis, as
+--scan-layers stacks them, and that axis is split over 'stage' (P(None, 'stage')), so each
+device holds one stage's blocks and their Adam moments; interleaved, stage s holds groups s,
+s + stages, ... of --virtual-stages times as many, smaller groups. The embedding runs on the first stage and the
 head on the last; both are small next to the blocks, so every device keeps a copy rather than
 the first and last stages holding more than the others.
 A step: each device cuts its rows into --microbatches micro-batches that flow through the
@@ -13,8 +14,11 @@ at each tick which micro-batch each stage runs forward or backward: GPipe runs e
 then every backward; 1F1B starts backwards as soon as the pipeline is full and keeps at most
 `stage` micro-batches in flight on a stage, whatever their number; zero-bubble (ZB-H1) splits
 each backward into the input's gradient, which the previous stage waits for, and the weights'
-gradient, which nobody waits for and which fills the ticks 1F1B leaves idle. After each tick every
-stage passes its output forward and its input gradient backward to its neighbours (ppermute).
+gradient, which nobody waits for and which fills the ticks 1F1B leaves idle; interleaved
+(Megatron's) runs 1F1B over the smaller groups, each micro-batch going round the ring of stages
+--virtual-stages times, so filling and draining the pipeline takes ticks of a group, not of a
+stage. After each tick every stage passes its output forward and its input gradient backward to
+its neighbours (ppermute).
 Between a micro-batch's forward and its backward a stage keeps only that micro-batch's input;
 the backward runs jax.vjp of the stage on it, recomputing the stage as --remat does.
 Collectives per step: two collective-permutes per tick between neighbouring stages (the
@@ -31,6 +35,7 @@ Run:
   python pipeline.py                     # a laptop: 8 emulated CPU devices, data=2,stage=4
   python pipeline.py --schedule gpipe --show-schedule   # print the ticks, train nothing
   python pipeline.py --schedule zero-bubble   # a third of 1F1B's bubble, as many micro-batches held
+  python pipeline.py --schedule interleaved --layers 8   # 2 groups of layers per stage: half the bubble
   python pipeline.py --distributed       # every host of a TPU pod slice (README)
 
 Read before: shardmap_dp.py. Read next: context_parallel.py, which splits the sequence instead.
@@ -52,7 +57,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
-SCHEDULES = ("gpipe", "1f1b", "zero-bubble")
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,13 +65,20 @@ class Config(common.Config):
     mesh: str = common.arg("auto", "mesh axis sizes, e.g. data=2,stage=4; 'auto' gives that on 8 devices")
     schedule: str = common.arg("1f1b", "the order of the micro-batches' forwards and backwards", choices=SCHEDULES)
     microbatches: int = common.arg(8, "micro-batches per step flowing through the pipeline (per data shard)")
+    virtual_stages: int = common.arg(
+        2, "--schedule interleaved: groups of layers per stage (stage s holds groups s, s + stages, ...)"
+    )
     show_schedule: bool = common.arg(
         False, "print the schedule (which stage runs which micro-batch at each tick) and exit, without training"
     )
 
+    def virtual(self):
+        """Groups of layers per stage: --virtual-stages when interleaved, else one."""
+        return self.virtual_stages if self.schedule == "interleaved" else 1
+
     def mesh_axes(self):
-        n = jax.device_count()
-        stage = max(s for s in (1, 2, 4) if n % s == 0 and self.layers % s == 0 and s <= max(1, n // 2))
+        n, groups = jax.device_count(), self.virtual()
+        stage = max(s for s in (1, 2, 4) if n % s == 0 and self.layers % (s * groups) == 0 and s <= max(1, n // 2))
         return common.mesh_shape(self.mesh, ("data", "stage"), {"data": n // stage, "stage": stage})
 
     def batch_shards(self):
@@ -74,11 +86,28 @@ class Config(common.Config):
 
     def validate(self):
         super().validate()
-        stages = self.mesh_axes()["stage"]
         common.require(
-            self.layers % stages == 0,
+            self.schedule == "interleaved" or self.virtual_stages == 2,
+            "virtual_stages",
+            "is for --schedule interleaved only, e.g. --schedule interleaved",
+        )
+        common.require(
+            self.virtual_stages >= 2,
+            "virtual_stages",
+            "must be at least 2, e.g. --virtual-stages 2 (one group per stage is --schedule 1f1b)",
+        )
+        stages, groups = self.mesh_axes()["stage"], self.virtual()
+        common.require(
+            self.layers % (stages * groups) == 0,
             "layers",
-            f"{self.layers} must split evenly over stage={stages}, e.g. --layers {stages * max(1, self.layers // stages)}",
+            f"{self.layers} must split evenly over stage={stages}"
+            + (f" x {groups} groups" if groups > 1 else "")
+            + f", e.g. --layers {stages * groups * max(1, self.layers // (stages * groups))}",
+        )
+        common.require(
+            self.schedule != "interleaved" or self.microbatches % stages == 0,
+            "microbatches",
+            f"must be a multiple of the {stages} stages for --schedule interleaved, e.g. --microbatches {2 * stages}",
         )
         common.require(
             self.schedule == "gpipe" or self.microbatches >= stages,
@@ -102,124 +131,177 @@ BATCH_SPEC = P("data")  # rows split over 'data'
 # splits it into INPUT_GRAD (the gradient of the stage's input, which the previous stage waits
 # for) and WEIGHT_GRAD (the gradient of its parameters, which nobody waits for).
 IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
+# The columns of the schedule's table (make_schedule).
+OP, MICROBATCH, VIRTUAL, INPUT, GRADIENT, INPUT_IN, GRADIENT_IN = range(7)
 
 
-def stage_order(kind, stages, microbatches, s):
-    """The order in which stage s runs its forwards (FORWARD, m) and backwards (BACKWARD, m).
-    GPipe: every forward, then every backward. 1F1B: stages - s - 1 forwards to fill the
-    pipeline, then one forward and one backward in turn, then the backwards left; so at most
-    stages - s micro-batches are between their forward and their backward on stage s.
-    Zero-bubble: 1F1B's order with INPUT_GRAD for BACKWARD; make_schedule places the
-    WEIGHT_GRADs."""
+def stage_order(kind, stages, microbatches, s, virtual=1):
+    """The order of stage s's work: (op, v, m), op on micro-batch m of the stage's v-th group of
+    layers (chunk v * stages + s of the model; v is 0 but for interleaved). GPipe: every
+    forward, then every backward. 1F1B: stages - s - 1 forwards to fill the pipeline, then one
+    forward and one backward in turn, then the backwards left; so at most stages - s
+    micro-batches are between their forward and their backward on stage s. Zero-bubble: 1F1B's
+    order with INPUT_GRAD for BACKWARD; make_schedule places the WEIGHT_GRADs. Interleaved
+    (Megatron's interleaved 1F1B, PyTorch's ScheduleInterleaved1F1B): the same with
+    (virtual - 1) * stages + 2 * (stages - s - 1) forwards first, each group of layers taking
+    `stages` micro-batches in turn, forwards from the first group, backwards from the last."""
     if kind == "gpipe":
-        return [(FORWARD, m) for m in range(microbatches)] + [(BACKWARD, m) for m in range(microbatches)]
+        return [(FORWARD, 0, m) for m in range(microbatches)] + [(BACKWARD, 0, m) for m in range(microbatches)]
     backward = INPUT_GRAD if kind == "zero-bubble" else BACKWARD
-    warmup = min(stages - s - 1, microbatches)
-    order = [(FORWARD, m) for m in range(warmup)]
-    for m in range(microbatches):
-        order += [(FORWARD, m + warmup)] if m + warmup < microbatches else []
-        order += [(backward, m)]
+    warmup = (virtual - 1) * stages + 2 * (stages - s - 1) if kind == "interleaved" else stages - s - 1
+    total = virtual * microbatches  # forwards to run, and as many backwards
+    warmup = min(warmup, total)
+    done = {FORWARD: [0] * virtual, backward: [0] * virtual}  # per group: micro-batches given that op
+
+    def nth(op, k):  # the k-th forward or backward: its group and micro-batch
+        v = (k // stages) % virtual
+        v = v if op == FORWARD else virtual - 1 - v
+        done[op][v] += 1
+        return op, v, done[op][v] - 1
+
+    order = [nth(FORWARD, k) for k in range(warmup)]
+    for k in range(total):
+        order += [nth(FORWARD, k + warmup)] if k + warmup < total else []
+        order += [nth(backward, k)]
     return order
 
 
-def make_schedule(kind, stages, microbatches):
-    """The schedule as data: table[t, s] = (op, m, arriving forward, arriving backward): at tick
-    t stage s runs `op` (IDLE, FORWARD, BACKWARD, INPUT_GRAD or WEIGHT_GRAD) on micro-batch m,
-    and at the end of the tick receives the input of micro-batch `arriving forward` from stage
-    s - 1 and the gradient of micro-batch `arriving backward` from stage s + 1 (-1: none).
+def make_schedule(kind, stages, microbatches, virtual=1):
+    """The schedule as data: table[t, s] = (op, m, v, input slot, gradient slot, arriving input's
+    slot, arriving gradient's slot): at tick t stage s runs `op` (IDLE, FORWARD, BACKWARD,
+    INPUT_GRAD or WEIGHT_GRAD) on micro-batch m of its group of layers v, reading its input and
+    its output's gradient from those slots of its buffers (-1: none, the first group's input
+    being the tokens and the last's gradient the loss's), and at the end of the tick receives
+    an activation from the previous stage into slot `arriving input's` and a gradient from the
+    next stage into slot `arriving gradient's` (-1: none). The last stage's output goes to the
+    first stage, and the first stage's gradient to the last, when the model is interleaved.
 
     Each stage runs its operations in stage_order's order, each at the first tick its input is
-    there: a forward of m once the previous stage's forward of m has run (at an earlier tick: it
-    arrives at the end of that tick), a backward once the next stage's backward of m has run
-    (on the last stage, its own forward). Zero-bubble (ZB-H1, Qi et al. 2023): a stage whose
+    there: a forward of m once the previous group's forward of m has run (at an earlier tick: it
+    arrives at the end of that tick), a backward once the next group's backward of m has run
+    (on the last group, its own forward). Zero-bubble (ZB-H1, Qi et al. 2023): a stage whose
     next operation cannot run yet runs the oldest WEIGHT_GRAD it owes instead of idling, and
     holds at most `stages` micro-batches between their forward and their WEIGHT_GRAD (1F1B's
-    most, on its first stage): before a forward beyond that, it pays a WEIGHT_GRAD."""
-    orders = [stage_order(kind, stages, microbatches, s) for s in range(stages)]
-    forward_at = np.full((stages, microbatches), 1 << 30)  # the tick of each forward, once run
-    backward_at = np.full((stages, microbatches), 1 << 30)  # of each BACKWARD or INPUT_GRAD
-    owed = [[] for _ in range(stages)]  # zero-bubble: the micro-batches whose WEIGHT_GRAD is to run
-    held = [0] * stages  # micro-batches past their forward and not past their WEIGHT_GRAD
-    most = stages if kind == "zero-bubble" else microbatches  # the cap on `held`: zero-bubble's only
+    most, on its first stage): before a forward beyond that, it pays a WEIGHT_GRAD. A slot is
+    free again once its micro-batch's last operation (BACKWARD, or WEIGHT_GRAD) has read it."""
+    chunks = stages * virtual  # chunk c = v * stages + s: stage s's group v
+    orders = [stage_order(kind, stages, microbatches, s, virtual) for s in range(stages)]
+    forward_at = np.full((chunks, microbatches), 1 << 30)  # the tick of each forward, once run
+    backward_at = np.full((chunks, microbatches), 1 << 30)  # of each BACKWARD or INPUT_GRAD
+    owed = [[] for _ in range(stages)]  # zero-bubble: the (v, m) whose WEIGHT_GRAD is to run
+    held = [0] * stages  # micro-batches past their forward and not past their last operation
+    most = stages if kind == "zero-bubble" else chunks * microbatches  # the cap on `held`: zero-bubble's only
     position, rows = [0] * stages, []
     while any(position[s] < len(orders[s]) or owed[s] for s in range(stages)):
         t, row = len(rows), []
         for s in range(stages):
-            op, m = orders[s][position[s]] if position[s] < len(orders[s]) else (IDLE, -1)
+            op, v, m = orders[s][position[s]] if position[s] < len(orders[s]) else (IDLE, 0, -1)
+            c = v * stages + s
             if op == FORWARD:
-                ready = (s == 0 or forward_at[s - 1, m] < t) and held[s] < most
+                ready = (c == 0 or forward_at[c - 1, m] < t) and held[s] < most
             else:
-                ready = op != IDLE and (forward_at[s, m] if s == stages - 1 else backward_at[s + 1, m]) < t
-            row.append((op, m) if ready else (WEIGHT_GRAD, owed[s][0]) if owed[s] else (IDLE, -1))
-        for s, (op, m) in enumerate(row):
+                ready = op != IDLE and (forward_at[c, m] if c == chunks - 1 else backward_at[c + 1, m]) < t
+            row.append((op, v, m) if ready else (WEIGHT_GRAD, *owed[s][0]) if owed[s] else (IDLE, 0, -1))
+        for s, (op, v, m) in enumerate(row):
+            c = v * stages + s
             if op == FORWARD:
-                forward_at[s, m], held[s] = t, held[s] + 1
+                forward_at[c, m], held[s] = t, held[s] + 1
             elif op in (BACKWARD, INPUT_GRAD):
-                backward_at[s, m] = t
-                owed[s] += [m] if op == INPUT_GRAD else []
+                backward_at[c, m] = t
+                owed[s] += [(v, m)] if op == INPUT_GRAD else []
             elif op == WEIGHT_GRAD:
                 owed[s].pop(0)
-                held[s] -= 1
+            held[s] -= op in (BACKWARD, WEIGHT_GRAD)
             position[s] += op in (FORWARD, BACKWARD, INPUT_GRAD)
         rows.append(row)
-    table = np.full((len(rows), stages, 4), -1, np.int32)
+    return place_in_slots(rows, stages, virtual)
+
+
+def place_in_slots(rows, stages, virtual):
+    """The table of make_schedule from each tick's (op, v, m) per stage: where each activation
+    and each gradient that arrives is kept until its last use, the lowest slot free then."""
+    chunks, last = stages * virtual, {BACKWARD, WEIGHT_GRAD}
+    table = np.full((len(rows), stages, 7), -1, np.int32)
+    slots = {}  # (kind, stage, v, m) -> the slot holding it; kind INPUT or GRADIENT
     for t, row in enumerate(rows):
-        for s, (op, m) in enumerate(row):
-            table[t, s, :2] = op, m
-            if op == FORWARD and s + 1 < stages:
-                table[t, s + 1, 2] = m
-            if op in (BACKWARD, INPUT_GRAD) and s > 0:
-                table[t, s - 1, 3] = m
+        arriving = []  # (kind, stage, v, m), sent at this tick
+        for s, (op, v, m) in enumerate(row):
+            c = v * stages + s
+            table[t, s, :3] = op, m, v
+            if op == IDLE:
+                continue
+            for kind in (INPUT, GRADIENT):
+                table[t, s, kind] = slots.get((kind, s, v, m), -1)
+                if op in last:
+                    slots.pop((kind, s, v, m), None)
+            if op == FORWARD and c + 1 < chunks:  # to the next group, on the next stage
+                arriving.append((INPUT, (s + 1) % stages, (c + 1) // stages, m))
+            if op in (BACKWARD, INPUT_GRAD) and c > 0:  # to the previous group
+                arriving.append((GRADIENT, (s - 1) % stages, (c - 1) // stages, m))
+        for kind, s, v, m in arriving:
+            taken = {slot for (k, stage, *_), slot in slots.items() if (k, stage) == (kind, s)}
+            slots[kind, s, v, m] = min(set(range(len(taken) + 1)) - taken)
+            table[t, s, kind + INPUT_IN - INPUT] = slots[kind, s, v, m]
     return table
 
 
-def in_flight(table, column):
-    """The most micro-batches a stage ever holds between receiving one (the forward input:
-    column 2, or the backward gradient: 3) and its last use, the backward (zero-bubble: the
-    WEIGHT_GRAD): how many buffer slots it needs."""
-    last_use = WEIGHT_GRAD if (table[:, :, 0] == WEIGHT_GRAD).any() else BACKWARD
-    most = 1
+def in_flight(table):
+    """The most micro-batches each stage holds at once (interleaved: pairs of a group of layers
+    and a micro-batch), from a forward to the last operation that reads its input (BACKWARD, or
+    zero-bubble's WEIGHT_GRAD)."""
+    most = []
     for s in range(table.shape[1]):
-        held = set()
-        for t in range(table.shape[0]):
-            op, m, *arriving = table[t, s]
-            if op == last_use:
-                held.discard(m)
-            if arriving[column - 2] >= 0:
-                held.add(arriving[column - 2])
-            most = max(most, len(held))
+        held, peak = set(), 0
+        for op, m, v in table[:, s, :3]:
+            held = held | {(v, m)} if op == FORWARD else held - {(v, m)} if op in (BACKWARD, WEIGHT_GRAD) else held
+            peak = max(peak, len(held))
+        most.append(peak)
     return most
 
 
 def show_schedule(kind, table):
     """One line per stage, one column per tick: F3 is micro-batch 3's forward, B3 its backward
-    (zero-bubble: its input's gradient), W3 its weights' gradient (zero-bubble)."""
-    cells = {IDLE: lambda m: " .", FORWARD: lambda m: f"F{m}", BACKWARD: lambda m: f"B{m}"}
-    cells |= {INPUT_GRAD: lambda m: f"B{m}", WEIGHT_GRAD: lambda m: f"W{m}"}
-    idle = (table[:, :, 0] == IDLE).mean()
-    microbatches = len({m for op, m in table[:, 0, :2] if op == FORWARD})
-    print(f"--schedule {kind} on {table.shape[1]} stages, {microbatches} micro-batches:")
+    (zero-bubble: its input's gradient), W3 its weights' gradient (zero-bubble); interleaved,
+    5F3 is micro-batch 3's forward through chunk 5 of the model (as PyTorch writes it)."""
+    stages, virtual = table.shape[1], table[:, :, VIRTUAL].max() + 1
+    letter = {IDLE: ".", FORWARD: "F", BACKWARD: "B", INPUT_GRAD: "B", WEIGHT_GRAD: "W"}
+
+    def cell(s, op, m, v):
+        chunk = f"{v * stages + s}" if virtual > 1 and op != IDLE else ""
+        return chunk + letter[op] + (f"{m}" if op != IDLE else "")
+
+    idle = (table[:, :, OP] == IDLE).mean()
+    microbatches = table[:, :, MICROBATCH].max() + 1
+    groups = f", {virtual} groups of layers per stage" if virtual > 1 else ""
+    print(f"--schedule {kind} on {stages} stages, {microbatches} micro-batches{groups}:")
     print(f"schedule: {table.shape[0]} ticks, {idle:.0%} of the stages' ticks idle (the bubble)")
-    for s in range(table.shape[1]):
-        print(f"stage {s}: " + " ".join(cells[op](m).rjust(3) for op, m in table[:, s, :2]))
+    print("micro-batches in flight on each stage, at most: " + " ".join(map(str, in_flight(table))))
+    cells = [[cell(s, *table[t, s, :3]) for t in range(table.shape[0])] for s in range(stages)]
+    width = max(len(c) for row in cells for c in row)
+    for s, row in enumerate(cells):
+        print(f"stage {s}: " + " ".join(c.rjust(width) for c in row))
 
 
-def stack_blocks(tree):
-    """block_0 ... block_{L-1} of a dict as one tree with a leading layer axis: 'blocks'."""
+def stack_blocks(tree, virtual=1):
+    """block_0 ... block_{L-1} of a dict as one tree 'blocks' with two leading axes, the layers
+    in order as a grid of `virtual` rows of L / virtual: splitting the second axis over 'stage'
+    (P(None, 'stage')) gives stage s the rows' s-th pieces, its groups s, s + stages, ... of
+    L / (virtual * stages) layers (interleaved), or with one row one contiguous group."""
     if not isinstance(tree, dict) or "block_0" not in tree:
         return tree
     layers = [tree[f"block_{i}"] for i in range(sum(k.startswith("block_") for k in tree))]
     rest = {k: v for k, v in tree.items() if not k.startswith("block_")}
-    return {**rest, "blocks": jax.tree.map(lambda *x: jnp.stack(x), *layers)}
+    return {**rest, "blocks": jax.tree.map(lambda *x: jnp.stack(x).reshape(virtual, -1, *x[0].shape), *layers)}
 
 
 def unstack_blocks(tree):
     """The inverse of stack_blocks."""
     if not isinstance(tree, dict) or "blocks" not in tree:
         return tree
-    layers = jax.tree.leaves(tree["blocks"])[0].shape[0]
+    blocks = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), tree["blocks"])  # one layer axis
     rest = {k: v for k, v in tree.items() if k != "blocks"}
-    return {**rest, **{f"block_{i}": jax.tree.map(lambda x, i=i: x[i], tree["blocks"]) for i in range(layers)}}
+    layers = jax.tree.leaves(blocks)[0].shape[0]
+    return {**rest, **{f"block_{i}": jax.tree.map(lambda x, i=i: x[i], blocks) for i in range(layers)}}
 
 
 def every_dict(fn, tree):
@@ -241,7 +323,8 @@ def to_saved(state):
 
 def from_saved(saved, state):
     """A restored state, its blocks stacked again and laid out like `state`."""
-    stack = functools.partial(every_dict, stack_blocks)
+    virtual = jax.tree.leaves(state.params["blocks"])[0].shape[0]
+    stack = functools.partial(every_dict, functools.partial(stack_blocks, virtual=virtual))
     restack = jax.jit(
         lambda s: s.replace(params=stack(s.params), opt_state=stack(s.opt_state)),
         out_shardings=jax.tree.map(lambda x: x.sharding, state),
@@ -250,11 +333,11 @@ def from_saved(saved, state):
 
 
 def state_specs(tree):
-    """P('stage') on the stacked blocks' layer axis, each device holding one stage's blocks;
+    """P(None, 'stage') on the stacked blocks, each device holding its stage's groups of layers;
     P() for the rest (embedding, head, LayerNorm of the head, counters)."""
 
     def spec(path, x):
-        return P("stage") if "'blocks'" in jax.tree_util.keystr(path) else P()
+        return P(None, "stage") if "'blocks'" in jax.tree_util.keystr(path) else P()
 
     return jax.tree_util.tree_map_with_path(spec, tree)
 
@@ -270,7 +353,7 @@ def global_norm(grads):
 
 def init_state(config, mesh, shapes_only=False):
     def params_fn(boxed):
-        return stack_blocks(nn.unbox(boxed))
+        return stack_blocks(nn.unbox(boxed), config.virtual())
 
     model = common.make_model(config)
     create = functools.partial(common.create_state, config, model, params_fn, global_norm=global_norm)
@@ -281,13 +364,16 @@ def init_state(config, mesh, shapes_only=False):
     return create.eval_shape() if shapes_only else create()
 
 
-def stage_forward(params, x, tokens, rng, config):
-    """One stage's part of the model on one micro-batch: the embedding on the first stage (in
-    place of the input `x`), this stage's blocks, and on the last stage the head and the summed
-    loss (0 elsewhere). Returns the stage's output activation and what its part adds to the
-    loss (the summed loss, and a mixture of experts' load-balancing loss from every stage's
-    blocks), then, for the metrics, the summed loss alone and the blocks' sums."""
+def stage_forward(params, x, tokens, rng, config, v=0):
+    """One stage's part of the model on one micro-batch, its group of layers v: the embedding
+    on the model's first group (in place of the input `x`), the group's blocks, and on the
+    model's last group the head and the summed loss (0 elsewhere). Returns the output
+    activation and what this part adds to the loss (the summed loss, and a mixture of experts'
+    load-balancing loss from every group's blocks), then, for the metrics, the summed loss
+    alone and the blocks' sums."""
     stage, stages = lax.axis_index("stage"), lax.axis_size("stage")
+    virtual = jax.tree.leaves(params["blocks"])[0].shape[0]
+    chunk = v * stages + stage  # which group of the model's layers: 0 first, virtual * stages - 1 last
     model = common.model_pieces(config.model)  # its Embed, Block and Head
     train = config.dropout > 0
     rngs = {"dropout": rng} if train else None
@@ -295,22 +381,23 @@ def stage_forward(params, x, tokens, rng, config):
     def embed():
         return model.Embed(config).apply({"params": params["embed"]}, tokens[:, :-1], not train, rngs=rngs)
 
-    x = lax.cond(stage == 0, embed, lambda: x)
+    x = lax.cond(chunk == 0, embed, lambda: x)
 
     def block(x, layer):
         block_params, i = layer
         block_rngs = {"dropout": jax.random.fold_in(rng, i)} if train else None
         return model.Block(config).apply({"params": block_params}, x, not train, rngs=block_rngs)
 
-    layers = jax.tree.leaves(params["blocks"])[0].shape[0]
-    x, stats = lax.scan(block, x, (params["blocks"], stage * layers + jnp.arange(layers)))
+    blocks = jax.tree.map(lambda p: p[v], params["blocks"])  # the group's layers
+    layers = jax.tree.leaves(blocks)[0].shape[0]
+    x, stats = lax.scan(block, x, (blocks, chunk * layers + jnp.arange(layers)))
     stats = jax.tree.map(lambda s: s.sum(0), stats or {})  # over this stage's blocks
 
     def loss():
         logits = model.Head(config).apply({"params": params["head"]}, x, not train, rngs=rngs)
         return common.cross_entropy(logits, tokens[:, 1:]).sum()
 
-    loss = lax.cond(stage == stages - 1, loss, lambda: jnp.zeros((), jnp.float32))
+    loss = lax.cond(chunk == virtual * stages - 1, loss, lambda: jnp.zeros((), jnp.float32))
     return (x, loss + stats.get("aux_loss_sum", 0.0)), (loss, stats)
 
 
@@ -322,28 +409,40 @@ def pipeline_gradients(params, batch, rng, config, table):
     microbatches = config.microbatches
     # Micro-batch i takes rows i, i + m, i + 2m, ... (as common.accumulate_gradients does).
     pieces = batch.reshape(-1, microbatches, batch.shape[-1]).swapaxes(0, 1)
-    slots, grad_slots = in_flight(table, 2), in_flight(table, 3)
+    # How many activations, and gradients, a stage keeps at once, the most any stage does.
+    slots, grad_slots = (max(1, table[:, :, column].max() + 1) for column in (INPUT_IN, GRADIENT_IN))
     # What passes between stages: the embedding's output, of the shape of every block's.
     embed = common.model_pieces(config.model).Embed(config)
     activation = jax.eval_shape(lambda: embed.apply({"params": params["embed"]}, pieces[0][:, :-1], True))
     activation = jnp.zeros(activation.shape, activation.dtype)
-    to_next = [(s, s + 1) for s in range(stages - 1)]
-    to_previous = [(s + 1, s) for s in range(stages - 1)]
+    # Interleaved, the last stage's output goes on to the first stage's next group: a ring.
+    ring = jax.tree.leaves(params["blocks"])[0].shape[0] > 1
+    to_next = [(s, s + 1) for s in range(stages - 1)] + [(stages - 1, 0)] * ring
+    to_previous = [(s + 1, s) for s in range(stages - 1)] + [(0, stages - 1)] * ring
     loss_scale = 1.0 / (pieces.shape[0] * pieces.shape[1] * config.seq_len)  # the mean over this device's tokens
 
     # What the blocks report (a mixture of experts' routing), summed over the micro-batches.
-    block_params = jax.tree.map(lambda p: p[0], params["blocks"])
+    block_params = jax.tree.map(lambda p: p[0, 0], params["blocks"])
     block = common.model_pieces(config.model).Block(config)
     stats = jax.eval_shape(lambda: block.apply({"params": block_params}, activation, True))[1] or {}
     stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats)
 
     def tick(carry, row):
         inputs, gradients_in, grads, loss_sum, stats_sum = carry
-        op, m, arriving_forward, arriving_backward = row[stage]
+        op, m, v, input_slot, gradient_slot, input_in, gradient_in = row[stage]
         tokens, key = pieces[m], jax.random.fold_in(rng, m)
 
+        # Read inside the branches that use them (XLA would otherwise copy them out first). Slot
+        # -1: none. The first group reads the tokens (any input will do) and the last group's
+        # output is only the loss's, so its gradient is zero (interleaved, the slots hold others').
+        def x():
+            return inputs[jnp.maximum(input_slot, 0)]
+
+        def gradient():
+            return jnp.where(gradient_slot >= 0, gradients_in[jnp.maximum(gradient_slot, 0)], 0)
+
         def forward():
-            (y, _), (loss, stats) = stage_forward(params, inputs[m % slots], tokens, key, config)
+            (y, _), (loss, stats) = stage_forward(params, x(), tokens, key, config, v)
             return y, loss, stats
 
         def no_forward():
@@ -355,9 +454,9 @@ def pipeline_gradients(params, batch, rng, config, table):
         def backward(of_params=True, of_input=True):
             """jax.vjp of the stage, recomputed from its input; the gradients not asked for are
             zeros, and XLA drops the work that only they needed (zero-bubble's split)."""
-            forward = functools.partial(stage_forward, tokens=tokens, rng=key, config=config)
-            _, vjp, _ = jax.vjp(forward, params, inputs[m % slots], has_aux=True)
-            grad_params, grad_input = vjp((gradients_in[m % grad_slots], jnp.float32(loss_scale)))
+            forward = functools.partial(stage_forward, tokens=tokens, rng=key, config=config, v=v)
+            _, vjp, _ = jax.vjp(forward, params, x(), has_aux=True)
+            grad_params, grad_input = vjp((gradient(), jnp.float32(loss_scale)))
             zeros = no_backward()
             return grad_params if of_params else zeros[0], grad_input if of_input else zeros[1]
 
@@ -368,13 +467,9 @@ def pipeline_gradients(params, batch, rng, config, table):
         # After each tick: activations to the next stage, their gradients to the previous one.
         received = lax.ppermute(output, "stage", to_next)
         received_gradient = lax.ppermute(grad_input, "stage", to_previous)
-        inputs = lax.cond(
-            arriving_forward >= 0, lambda: inputs.at[arriving_forward % slots].set(received), lambda: inputs
-        )
+        inputs = lax.cond(input_in >= 0, lambda: inputs.at[input_in].set(received), lambda: inputs)
         gradients_in = lax.cond(
-            arriving_backward >= 0,
-            lambda: gradients_in.at[arriving_backward % grad_slots].set(received_gradient),
-            lambda: gradients_in,
+            gradient_in >= 0, lambda: gradients_in.at[gradient_in].set(received_gradient), lambda: gradients_in
         )
         grads = jax.tree.map(jnp.add, grads, grad_params)
         return (inputs, gradients_in, grads, loss_sum + loss, jax.tree.map(jnp.add, stats_sum, more)), None
@@ -411,7 +506,7 @@ def train_step(state, batch, config, table):
 def eval_step(state, batch, config):
     """Summed held-out losses of one device's rows: the stages one after another, each device
     running the whole model with the blocks of every stage gathered (no schedule, no backward)."""
-    params = {**state.params, "blocks": lax.all_gather(state.params["blocks"], "stage", tiled=True)}
+    params = {**state.params, "blocks": lax.all_gather(state.params["blocks"], "stage", axis=1, tiled=True)}
     return lax.psum(common.eval_metrics(state.replace(params=unstack_blocks(params)), batch), "data")
 
 
@@ -424,13 +519,13 @@ def main(config):
     common.setup(config)
     mesh = make_mesh(config)
     dataset = common.load_dataset(config)
-    table = make_schedule(config.schedule, mesh.shape["stage"], config.microbatches)
+    table = make_schedule(config.schedule, mesh.shape["stage"], config.microbatches, config.virtual())
     if config.show_schedule:  # print it, train nothing
         if common.is_main_process():
             show_schedule(config.schedule, table)
         return None
     state_shapes = init_state(config, mesh, shapes_only=True)
-    state_spec = state_specs(state_shapes)  # P('stage') for the blocks, P() otherwise
+    state_spec = state_specs(state_shapes)  # P(None, 'stage') for the blocks, P() otherwise
     step_fn = jax.jit(
         jax.shard_map(
             functools.partial(train_step, config=config, table=table),
@@ -461,10 +556,12 @@ def main(config):
     checkpoints = common.Checkpoints(config, to_saved, from_saved)  # saved block by block, unstacked
     state, start = checkpoints.restore(state)
     eval_data = [device_batch(b, mesh) for b in common.eval_batches(dataset, config)]
-    bubble = float((table[:, :, 0] == IDLE).mean())
+    bubble = float((table[:, :, OP] == IDLE).mean())
     report = {**common.cost_report(config, state, compiled, compile_seconds), "bubble": bubble}
     layout = (
-        f"mesh data={mesh.shape['data']},stage={mesh.shape['stage']}, {config.schedule} over "
+        f"mesh data={mesh.shape['data']},stage={mesh.shape['stage']}, {config.schedule}"
+        + (f" ({config.virtual()} groups of layers per stage)" if config.virtual() > 1 else "")
+        + f" over "
         f"{config.microbatches} micro-batches, {table.shape[0]} ticks, bubble {bubble:.0%}"
     )
     log = common.Logger(config, dataset, layout, report, state.params, start)

@@ -166,7 +166,7 @@ DENSE = [name for name in STRATEGIES if not name.startswith("expert")]  # the st
 def test_a_mixture_of_experts_matches(name):
     """Every other strategy trains the mixture of experts too (its expert weights split as any
     parameter of theirs), and routes it as one device does."""
-    compare(f"{name} {as_flags(MOE)}", run(name, **MOE), reference(**MOE))
+    compare(f"{name} {as_flags(MOE)}", run(name, **MOE), reference(**MOE, **model_flags(name)))
 
 
 # What a user adds to pjit_tp.py's PARAM_SPECS to train tests/llama.py (the other scripts need
@@ -184,7 +184,7 @@ def test_a_model_the_scripts_do_not_know_matches(name, monkeypatch):
     """tests/llama.py (RMSNorm, rotary positions, SwiGLU, no biases, untied head, grouped-query
     attention) through every script and preset, against one device training it."""
     monkeypatch.setattr(pjit_tp, "PARAM_SPECS", LLAMA_SPECS + pjit_tp.PARAM_SPECS)
-    compare(name, run_uncached(name, model="tests.llama"), reference(model="tests.llama"))
+    compare(name, run_uncached(name, model="tests.llama"), reference(model="tests.llama", **model_flags(name)))
 
 
 @pytest.mark.parametrize("name", ["expert_parallel", "context_parallel"])
@@ -250,13 +250,15 @@ def test_vocabulary_is_split_over_model(name):
     compare(f"{name} --vocab-size 4096", result, reference(vocab_size=4096))
 
 
-# Each schedule on a deeper pipeline (all run on data=4,stage=2 above): --mesh, --layers; zero-bubble with -m full.
-PIPELINES = [("gpipe", "data=2,stage=4", 4), ("1f1b", "data=1,stage=8", 8), ("zero-bubble", "data=2,stage=4", 4)]
-PIPELINES += [("zero-bubble", "data=1,stage=8", 8)]
+# Each schedule on a deeper pipeline (all run on data=4,stage=2 above): --mesh, --layers; the
+# others with -m full. Interleaved: two groups of layers per stage, so twice the layers.
+PIPELINES = [("gpipe", "data=2,stage=4", 4), ("1f1b", "data=1,stage=8", 8), ("interleaved", "data=2,stage=4", 8)]
+PIPELINES += [("zero-bubble", "data=2,stage=4", 4), ("zero-bubble", "data=1,stage=8", 8)]
+PIPELINES += [("interleaved", "data=1,stage=8", 16)]
 
 
 @pytest.mark.parametrize(
-    "schedule, mesh, layers", matrix(PIPELINES, PIPELINES[:2]), ids=[f"{s}-{m}" for s, m, _ in PIPELINES]
+    "schedule, mesh, layers", matrix(PIPELINES, PIPELINES[:3]), ids=[f"{s}-{m}" for s, m, _ in PIPELINES]
 )
 def test_pipeline_matches(schedule, mesh, layers):
     result = run(f"pipeline_{schedule}", mesh=mesh, layers=layers, microbatches=8)
@@ -272,7 +274,7 @@ def test_context_parallel_matches_on_eight():
 # another order differ by bfloat16's rounding (8 bits: 4e-3 per value), far above float32's, so
 # the bounds are bfloat16's: measured over 5 steps on every strategy (AMD EPYC, JAX 0.10.2),
 # the largest differences from the bfloat16 reference were loss 1.7e-5, gradient norm 2.7e-3
-# and parameters 2.5e-2; the reference itself with --microbatches 2 (the same sums, in
+# and parameters 2.5e-2 (pipeline interleaved, on its 4 layers: 8.3e-6, 3.6e-3 and 2.9e-2); the reference itself with --microbatches 2 (the same sums, in
 # another order) differs from it by 1.6e-5, 1.3e-3 and 2.8e-2, and the float32 reference by
 # 2.3e-5, 2.5e-3 and 2.1e-2. Each bound is about twice the largest of these. A strategy off by
 # a constant factor in its gradient (a sum where a mean belongs) would be 100% off in the norm.
@@ -486,13 +488,24 @@ def test_hsdp_shards_within_groups_and_replicates_across():
     assert pairs in ops["all-reduce"]
 
 
-def test_pipeline_splits_the_blocks_over_stages():
-    """Each device holds one stage's blocks and their moments; activations and gradients move
-    between neighbouring stages (collective-permutes), gradients are all-reduced over 'data'."""
-    result = run("pipeline_1f1b", mesh="data=2,stage=4", layers=4, microbatches=8)
-    for leaf in jax.tree.leaves((result.state.params["blocks"], result.state.opt_state[1][0].mu["blocks"])):
-        assert leaf.addressable_data(0).shape[0] == 1  # 4 layers over 4 stages
-    neighbours = {(s, s + 1) for s in (0, 1, 2, 4, 5, 6)}
+@pytest.mark.parametrize("schedule, layers", [("1f1b", 4), ("interleaved", 8)])
+def test_pipeline_splits_the_blocks_over_stages(schedule, layers):
+    """Each device holds one stage's blocks and their moments (interleaved: layers s and s + 4 on
+    stage s of 4); activations and gradients move between neighbouring stages (collective-permutes;
+    interleaved, from the last stage on to the first too), gradients are all-reduced over 'data'."""
+    result = run(f"pipeline_{schedule}", mesh="data=2,stage=4", layers=layers, microbatches=8)
+    groups = layers // 4
+    layer = global_params("pipeline", result.state)  # block_0 ... by the model's numbering
+    for path, leaf in jax.tree.leaves_with_path(result.state.params["blocks"]):
+        for shard in leaf.addressable_shards:
+            stage = shard.index[1].start  # which piece of each group's row of 4 layers
+            assert shard.data.shape[:2] == (groups, 1)  # one layer of each group
+            for v in range(groups):
+                model_layer = functools.reduce(lambda t, k: t[k.key], path, layer[f"block_{v * 4 + stage}"])
+                assert np.array_equal(shard.data[v, 0], model_layer)
+    for leaf in jax.tree.leaves(result.state.opt_state[1][0].mu["blocks"]):
+        assert leaf.addressable_data(0).shape[:2] == (groups, 1)
+    neighbours = {(s, s + 1) for s in (0, 1, 2, 4, 5, 6)} | ({(3, 0), (7, 4)} if groups > 1 else set())
     pairs = set()
     for c in common.hlo_collectives(result.compiled.as_text()):
         if c["op"] == "collective-permute":
@@ -610,14 +623,19 @@ def test_logical_rules_decide_the_layout(rules, fc1_shard, collective):
 # ----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("script", DEFAULTS)
-def test_two_processes_match_one(script, tmp_path):
+# Each script with its default flags; with -m full, the pipeline's other schedules too.
+SEVERAL = list(DEFAULTS.values()) + ["pipeline_gpipe", "pipeline_zero-bubble", "pipeline_interleaved"]
+
+
+@pytest.mark.parametrize("name", matrix(SEVERAL, list(DEFAULTS.values())))
+def test_two_processes_match_one(name, tmp_path):
     """Each script from the command line, copied alone into a folder, as 2 processes x 4
     devices: the same losses as 1 process x 8. The run stops after the warmup steps, whose
     learning rates do not depend on --steps, so they compare with the 20-step run."""
     metrics = tmp_path / "metrics.jsonl"
     steps = SMALL["warmup_steps"]
-    strategy_flags = STRATEGIES[DEFAULTS[script]][1]
+    module, strategy_flags = STRATEGIES[name]
+    script = module.__name__
     flags = as_flags({**SMALL, **strategy_flags, "steps": steps, "log_every": 1, "metrics_file": metrics})
     with cluster(script, tmp_path, flags) as procs:
         logs = wait_ok(procs, tmp_path)
@@ -626,7 +644,7 @@ def test_two_processes_match_one(script, tmp_path):
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records[:-1]] == list(range(1, steps + 1)) and "summary" in records[-1]
     assert {"loss", "tokens_per_sec"} <= set(records[0])
-    one_process = run(DEFAULTS[script]).losses[:steps]
+    one_process = run(name).losses[:steps]
     diff = max(abs(r["loss"] - ref) / ref for r, ref in zip(records[:-1], one_process, strict=True))
-    print(f"\n{script}: 2 processes x 4 devices vs 1 x 8: loss {diff:.1e}")
+    print(f"\n{name}: 2 processes x 4 devices vs 1 x 8: loss {diff:.1e}")
     assert diff <= RTOL

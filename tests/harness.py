@@ -61,6 +61,8 @@ STRATEGIES = {
 STRATEGIES["hsdp"] = (fsdp, {"mesh": "replica=2,data=4"})
 STRATEGIES.update({f"logical_{rules}": (logical_pjit, {"rules": rules}) for rules in logical_pjit.RULES})
 STRATEGIES.update({f"pipeline_{s}": (pipeline, {"schedule": s, "microbatches": 2}) for s in pipeline.SCHEDULES})
+# Interleaved: 2 groups of layers per stage need 4 layers on 2 stages ('auto': data=4,stage=2).
+STRATEGIES["pipeline_interleaved"][1]["layers"] = 4
 # expert_parallel.py trains a mixture of experts only: data=2,expert=4 ('auto') and data=1,expert=8.
 STRATEGIES["expert_parallel"] = (expert_parallel, MOE)
 STRATEGIES["expert_parallel_8"] = (expert_parallel, {**MOE, "mesh": "data=1,expert=8"})
@@ -84,8 +86,9 @@ EVERY_SCRIPT = list(DEFAULTS.values())
 
 
 def model_flags(name) -> dict:
-    """The flags of a strategy that change the model (a mixture of experts'), for its reference."""
-    return {key: value for key, value in STRATEGIES[name][1].items() if key in MOE}
+    """The flags of a strategy that change the model (a mixture of experts', the layers), for
+    its reference."""
+    return {key: value for key, value in STRATEGIES[name][1].items() if key in (*MOE, "layers")}
 
 
 def run_uncached(name, **overrides):

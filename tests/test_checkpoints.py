@@ -47,6 +47,7 @@ PAIRS = [
     ("fsdp", "logical_fsdp_tp"),
     ("pipeline_1f1b", "logical_fsdp_tp"),
     ("context_parallel", "pjit_tp"),
+    ("pipeline_interleaved", "fsdp"),  # stage s's groups s, s + stages, ... -> the blocks in order
 ]
 
 

@@ -19,7 +19,7 @@ import context_parallel
 import fsdp
 import pipeline
 from tests.harness import (
-    DEVICES, ROOT, SMALL, TINY, as_flags, copy_alone, matrix, run, run_script, run_uncached, state_bytes,
+    DEVICES, FULL, ROOT, SMALL, TINY, as_flags, copy_alone, matrix, run, run_script, run_uncached, state_bytes,
 )  # fmt: skip
 
 REPORT_KEYS = {
@@ -239,29 +239,57 @@ def test_benchmark_writes_the_table_and_the_picture(tmp_path):
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def pipeline_temporaries(schedule, layers, microbatches):
+    """pipeline.py's compiled temporaries per device on data=2,stage=4 with micro-batches of 2
+    rows of 64 tokens (one compiled step)."""
+    batch = 2 * microbatches * 2  # 2 data shards, micro-batches of 2 rows
+    flags = dict(mesh="data=2,stage=4", layers=layers, microbatches=microbatches, batch_size=batch, seq_len=64)
+    return run_uncached(f"pipeline_{schedule}", steps=1, eval_every=0, **flags).summary["compiled_temp_bytes"]
+
+
+ACTIVATION = 2 * 64 * SMALL["d_model"] * 4  # one micro-batch's input to a stage: 2 rows, float32
+
+
+def slots(schedule, microbatches, virtual=1):
+    """The activations and gradients a stage keeps at once, from the schedule's table."""
+    table = pipeline.make_schedule(schedule, 4, microbatches, virtual)
+    return sum(table[:, :, column].max() + 1 for column in (pipeline.INPUT_IN, pipeline.GRADIENT_IN))
+
+
 def test_1f1b_keeps_fewer_activations_than_gpipe():
-    """pipeline.py on data=2,stage=4 with 4, 8 and 16 micro-batches of 2 rows (one compiled
-    step each): GPipe keeps every micro-batch's input until the backwards begin, so its
-    temporaries grow with the micro-batches; 1F1B keeps at most 4 (the stages): about flat.
-    Zero-bubble keeps at most 4 too, each with its gradient once its input's gradient has run:
-    flat as well, and within 10% of 1F1B."""
-    temp = {}
-    for schedule in pipeline.SCHEDULES:
-        for microbatches in (4, 8, 16):
-            batch = 2 * microbatches * 2  # 2 data shards, micro-batches of 2 rows
-            flags = dict(mesh="data=2,stage=4", layers=4, microbatches=microbatches, batch_size=batch, seq_len=64)
-            summary = run_uncached(f"pipeline_{schedule}", steps=1, eval_every=0, **flags).summary
-            temp[schedule, microbatches] = summary["compiled_temp_bytes"]
+    """4 stages of one layer with 4, 8 and 16 micro-batches: GPipe keeps every micro-batch's
+    input until the backwards begin, so its temporaries grow with the micro-batches; 1F1B keeps
+    at most 4 (the stages): about flat. Zero-bubble keeps at most 4 too, but each with its
+    output's gradient until its weights' gradient has run: 2 more gradients than 1F1B keeps
+    (its table's slots), flat as well."""
+    temp = {(s, m): pipeline_temporaries(s, 4, m) for s in ("gpipe", "1f1b", "zero-bubble") for m in (4, 8, 16)}
     print("\npipeline temporaries (bytes):", {f"{s} {m}": b for (s, m), b in temp.items()})
-    activation = 2 * 64 * SMALL["d_model"] * 4  # one micro-batch's input to a stage: 2 rows, float32
     gpipe_growth, onef1b_growth = temp["gpipe", 16] - temp["gpipe", 4], temp["1f1b", 16] - temp["1f1b", 4]
-    print(f"from 4 to 16 micro-batches: GPipe +{gpipe_growth / activation:.2f}, 1F1B +{onef1b_growth / activation:.2f}")
+    print(f"from 4 to 16 micro-batches: GPipe +{gpipe_growth / ACTIVATION:.2f}, 1F1B +{onef1b_growth / ACTIVATION:.2f}")
     assert temp["gpipe", 4] < temp["gpipe", 8] < temp["gpipe", 16]
-    assert abs(gpipe_growth / activation - 12) <= 1.2  # 12 more micro-batches held, each one input
-    assert onef1b_growth < 0.5 * activation
+    assert abs(gpipe_growth / ACTIVATION - 12) <= 1.2  # 12 more micro-batches held, each one input
+    assert onef1b_growth < 0.5 * ACTIVATION
     for microbatches in (4, 8, 16):
+        more = (temp["zero-bubble", microbatches] - temp["1f1b", microbatches]) / ACTIVATION
+        print(f"{microbatches} micro-batches: zero-bubble keeps {more:.2f} activations more than 1F1B")
+        assert abs(more - (slots("zero-bubble", microbatches) - slots("1f1b", microbatches))) <= 0.1
         assert temp["zero-bubble", microbatches] <= 1.1 * temp["1f1b", microbatches]
-    assert temp["zero-bubble", 16] - temp["zero-bubble", 4] < 0.5 * activation
+    assert temp["zero-bubble", 16] - temp["zero-bubble", 4] < 0.5 * ACTIVATION
+
+
+@FULL
+def test_interleaving_keeps_more_inputs_and_recomputes_less():
+    """4 stages of two layers, 1F1B against interleaved with two groups of one layer each: the
+    interleaved warm-up keeps more inputs, (V - 1) S + 2 (S - 1) + 1 = 11 at most (but at most
+    V M = 8 with 4 micro-batches), and each backward recomputes one layer instead of two. Its
+    temporaries grow by the slots its table adds, and stay below 1F1B's."""
+    temp = {(s, m): pipeline_temporaries(s, 8, m) for s in ("1f1b", "interleaved") for m in (4, 8, 16)}
+    print("\npipeline temporaries (bytes), 8 layers:", {f"{s} {m}": b for (s, m), b in temp.items()})
+    growth = (temp["interleaved", 16] - temp["interleaved", 4]) / ACTIVATION
+    print(f"interleaved, from 4 to 16 micro-batches: +{growth:.2f} activations")
+    assert abs(growth - (slots("interleaved", 16, 2) - slots("interleaved", 4, 2))) <= 0.3
+    for microbatches in (4, 8, 16):
+        assert temp["interleaved", microbatches] < temp["1f1b", microbatches]
 
 
 def test_context_parallel_activation_memory():

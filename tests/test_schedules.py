@@ -1,63 +1,88 @@
-"""pipeline.py's schedules as tables: every dependency met, each operation run once, no stage
-holding more micro-batches than the schedule claims, and each bubble what its formula says.
-Checked from the table alone, not from how make_schedule builds it."""
+"""pipeline.py's schedules as tables: every dependency met, each operation run once, every
+activation and gradient kept in a slot nothing overwrites before its last use, no stage holding
+more micro-batches than the schedule claims, and each bubble what its formula says. Checked
+from the table alone, not from how make_schedule builds it."""
 
 import numpy as np
 import pytest
 
-from pipeline import BACKWARD, FORWARD, IDLE, INPUT_GRAD, SCHEDULES, WEIGHT_GRAD, make_schedule
+from pipeline import (
+    BACKWARD, FORWARD, GRADIENT, GRADIENT_IN, IDLE, INPUT, INPUT_GRAD, INPUT_IN, MICROBATCH, OP, SCHEDULES, VIRTUAL,
+    WEIGHT_GRAD, make_schedule,
+)  # fmt: skip
 
-SIZES = [(stages, microbatches) for stages in (2, 3, 4, 8) for microbatches in (stages, 2 * stages, 16)]
+SIZES = sorted({(stages, microbatches) for stages in (2, 3, 4, 8) for microbatches in (stages, 2 * stages, 16)})
+# (kind, stages, micro-batches, groups of layers per stage); interleaved takes multiples of the stages.
+CASES = [(kind, s, m, 1) for kind in SCHEDULES if kind != "interleaved" for s, m in SIZES]
+CASES += [("interleaved", s, m, v) for s, m in SIZES if m % s == 0 for v in (2, 3, 4)]
 
 
-def bubble_formula(kind, stages, microbatches):
+def bubble_formula(kind, stages, microbatches, virtual):
     """The idle share of the stages' ticks. GPipe and 1F1B: S - 1 ticks of filling and S - 1 of
     draining around M forwards and M backwards of a tick each, (S - 1) / (M + S - 1). ZB-H1
-    (Qi et al. 2023, T_F = T_B = T_W): (S - 1)(T_F + T_B - T_W) idle beside 3M ticks of work."""
-    work = 3 * microbatches if kind == "zero-bubble" else microbatches
+    (Qi et al. 2023, T_F = T_B = T_W): (S - 1)(T_F + T_B - T_W) idle beside 3M ticks of work.
+    Interleaved (Narayanan et al. 2021): a tick is a group of layers, 1 / V of a stage's, so
+    the same S - 1 ticks each way are beside V M of each: (S - 1) / (V M + S - 1)."""
+    work = {"zero-bubble": 3 * microbatches, "interleaved": virtual * microbatches}.get(kind, microbatches)
     return (stages - 1) / (work + stages - 1)
 
 
-def most_held(kind, stages, microbatches, s):
-    """The micro-batches a stage may hold between its forward and the end of its backward:
-    GPipe all of them, 1F1B stages - s, zero-bubble `stages` (1F1B's first stage's) on every
-    stage, from the forward to the WEIGHT_GRAD."""
-    return {"gpipe": microbatches, "1f1b": min(stages - s, microbatches), "zero-bubble": min(stages, microbatches)}[
-        kind
-    ]
+def most_held(kind, stages, microbatches, virtual, s):
+    """The (group, micro-batch) pairs a stage may hold between a forward and the end of its
+    backward: GPipe all of them, 1F1B stages - s, zero-bubble `stages` (1F1B's first stage's) on
+    every stage, from the forward to the WEIGHT_GRAD; interleaved, its warm-up's forwards
+    (V - 1) S + 2 (S - 1 - s) and one more, at most all V M."""
+    return {
+        "gpipe": microbatches,
+        "1f1b": min(stages - s, microbatches),
+        "zero-bubble": min(stages, microbatches),
+        "interleaved": min((virtual - 1) * stages + 2 * (stages - 1 - s) + 1, virtual * microbatches),
+    }[kind]
 
 
-@pytest.mark.parametrize("kind", SCHEDULES)
-@pytest.mark.parametrize("stages, microbatches", SIZES)
-def test_schedule_is_valid_and_its_bubble_is_the_formulas(kind, stages, microbatches):
-    table = make_schedule(kind, stages, microbatches)
-    ticks = table.shape[0]
-    when = {}  # (op, stage, micro-batch) -> tick
+@pytest.mark.parametrize("kind, stages, microbatches, virtual", CASES)
+def test_schedule_is_valid_and_its_bubble_is_the_formulas(kind, stages, microbatches, virtual):
+    table = make_schedule(kind, stages, microbatches, virtual)
+    ticks, chunks = table.shape[0], stages * virtual
+    when = {}  # (op, chunk, micro-batch) -> tick; chunk v * stages + s is stage s's group v
     for t in range(ticks):
         for s in range(stages):
-            op, m = table[t, s, :2]
+            op, m, v = table[t, s, [OP, MICROBATCH, VIRTUAL]]
             if op != IDLE:
-                assert (op, s, m) not in when, f"{kind}: stage {s} runs {op} of {m} twice"
-                when[op, s, m] = t
+                assert (op, v * stages + s, m) not in when, f"{kind}: stage {s} runs {op} of {v}, {m} twice"
+                when[op, v * stages + s, m] = t
     backward = INPUT_GRAD if kind == "zero-bubble" else BACKWARD
     expected_ops = {FORWARD, backward} | ({WEIGHT_GRAD} if kind == "zero-bubble" else set())
     assert {op for op, _, _ in when} == expected_ops
-    for s in range(stages):
+    last = WEIGHT_GRAD if kind == "zero-bubble" else backward  # the last to read what a stage keeps
+    for c in range(chunks):
+        s = c % stages
         for m in range(microbatches):
-            forward, back = when[FORWARD, s, m], when[backward, s, m]  # each one exactly once
-            if s > 0:  # its input arrived from the previous stage at the end of an earlier tick
-                assert forward > when[FORWARD, s - 1, m] and table[when[FORWARD, s - 1, m], s, 2] == m
-            if s < stages - 1:  # the gradient of its output arrived from the next stage
-                assert back > when[backward, s + 1, m] and table[when[backward, s + 1, m], s, 3] == m
+            forward, back = when[FORWARD, c, m], when[backward, c, m]  # each one exactly once
+            if kind == "zero-bubble":
+                assert when[WEIGHT_GRAD, c, m] > back
+            if c > 0:  # its input arrived from the previous group at the end of an earlier tick
+                kept(table, s, INPUT, when[FORWARD, c - 1, m], [forward, back, when[last, c, m]])
+            if c < chunks - 1:  # the gradient of its output arrived from the next group
+                kept(table, s, GRADIENT, when[backward, c + 1, m], [back, when[last, c, m]])
             else:
                 assert back > forward
-            if kind == "zero-bubble":
-                assert when[WEIGHT_GRAD, s, m] > back
-        release = WEIGHT_GRAD if kind == "zero-bubble" else backward
-        held = [sum(when[FORWARD, s, m] <= t < when[release, s, m] for m in range(microbatches)) for t in range(ticks)]
-        assert max(held) == most_held(kind, stages, microbatches, s), f"{kind}: stage {s}"
-    idle = (table[:, :, 0] == IDLE).mean()
-    assert idle == pytest.approx(bubble_formula(kind, stages, microbatches), abs=1e-12)
+    for s in range(stages):
+        mine = [(v * stages + s, m) for v in range(virtual) for m in range(microbatches)]
+        held = [sum(when[FORWARD, c, m] <= t < when[last, c, m] for c, m in mine) for t in range(ticks)]
+        assert max(held) == most_held(kind, stages, microbatches, virtual, s), f"{kind}: stage {s}"
+    idle = (table[:, :, OP] == IDLE).mean()
+    assert idle == pytest.approx(bubble_formula(kind, stages, microbatches, virtual), abs=1e-12)
+
+
+def kept(table, s, kind, sent, reads):
+    """What was sent to stage s at tick `sent` went into a slot, which every read of it names
+    and which nothing else arriving at stage s overwrites before the last read."""
+    slot = table[sent, s, {INPUT: INPUT_IN, GRADIENT: GRADIENT_IN}[kind]]
+    assert slot >= 0 and sent < min(reads)
+    assert all(table[t, s, kind] == slot for t in reads)
+    overwritten = table[sent + 1 : max(reads), s, {INPUT: INPUT_IN, GRADIENT: GRADIENT_IN}[kind]]
+    assert slot not in overwritten
 
 
 def test_zero_bubble_leaves_a_third_of_1f1bs_bubble():
@@ -69,6 +94,20 @@ def test_zero_bubble_leaves_a_third_of_1f1bs_bubble():
     for stages, microbatches in SIZES:
         zb, onef1b = (make_schedule(kind, stages, microbatches) for kind in ("zero-bubble", "1f1b"))
         assert zb.shape[0] == 3 * microbatches + stages - 1
-        assert ((zb[:, :, 0] == IDLE).sum(axis=0) == stages - 1).all()
-        assert ((onef1b[:, :, 0] == IDLE).sum(axis=0) == 2 * (stages - 1)).all()
-        assert np.all((onef1b[:, :, 0] != IDLE).sum(axis=0) == 2 * microbatches)
+        assert ((zb[:, :, OP] == IDLE).sum(axis=0) == stages - 1).all()
+        assert ((onef1b[:, :, OP] == IDLE).sum(axis=0) == 2 * (stages - 1)).all()
+        assert np.all((onef1b[:, :, OP] != IDLE).sum(axis=0) == 2 * microbatches)
+
+
+def test_interleaving_divides_the_bubbles_time_by_the_groups():
+    """Interleaved, every stage idles the same 2 (S - 1) ticks as 1F1B, but a tick is one group
+    of layers, 1 / V of 1F1B's: the bubble's time is 1F1B's over V, and the work the same."""
+    for stages, microbatches in SIZES:
+        if microbatches % stages:
+            continue
+        onef1b = make_schedule("1f1b", stages, microbatches)
+        for virtual in (2, 3, 4):
+            interleaved = make_schedule("interleaved", stages, microbatches, virtual)
+            assert interleaved.shape[0] == 2 * virtual * microbatches + 2 * (stages - 1)
+            idle = (interleaved[:, :, OP] == IDLE).sum(axis=0)
+            assert (idle == (onef1b[:, :, OP] == IDLE).sum(axis=0)).all()  # ticks of 1 / V the time
