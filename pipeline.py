@@ -5,9 +5,10 @@ device taking an equal share. The blocks are cut into contiguous groups, one per
 the mesh axis 'stage' (--mesh data=2,stage=4): they are stacked along a layer axis, as
 --scan-layers stacks them, and that axis is split over 'stage' (P(None, 'stage')), so each
 device holds one stage's blocks and their Adam moments; interleaved, stage s holds groups s,
-s + stages, ... of --virtual-stages times as many, smaller groups. The embedding runs on the first stage and the
-head on the last; both are small next to the blocks, so every device keeps a copy rather than
-the first and last stages holding more than the others.
+s + stages, ... of --virtual-stages times as many, smaller groups. The embedding runs on the
+first stage and the head on the last, but between steps they and their Adam moments are split
+over 'stage' like the blocks, each device keeping 1/stages of them (at GPT-2's vocabulary they
+are most of the model); the step gathers them whole and reduce-scatters their gradients.
 A step: each device cuts its rows into --microbatches micro-batches that flow through the
 stages. A schedule, a table made on the host (make_schedule; --show-schedule prints it), says
 at each tick which micro-batch each stage runs forward or backward: GPipe runs every forward,
@@ -22,11 +23,12 @@ its neighbours (ppermute).
 Between a micro-batch's forward and its backward a stage keeps only that micro-batch's input;
 the backward runs jax.vjp of the stage on it, recomputing the stage as --remat does.
 Collectives per step: two collective-permutes per tick between neighbouring stages (the
-activations forward, their gradients backward); an all-reduce over 'stage' of the embedding's
-and the head's gradients (only the first and last stage have them); an all-reduce over 'data'
-of all gradients, as in data parallelism; tiny ones of the gradient norm and of the metrics.
+activations forward, their gradients backward); an all-gather over 'stage' of the embedding and
+the head, and a reduce-scatter of their gradients (only the first and last stage have them):
+together the bytes of the all-reduce that copies kept whole would need; an all-reduce over
+'data' of all gradients, as in data parallelism; tiny ones of the gradient norm and metrics.
 
-What changes from shardmap_dp.py: the blocks are split over 'stage' instead of replicated, and
+What changes from shardmap_dp.py: the parameters are split over 'stage' instead of replicated, and
 the step is no longer one forward and one backward of the whole model: it is a schedule of
 per-stage forwards and backwards over micro-batches, with activations and gradients sent
 between stages, and each stage's gradient made by jax.vjp of its own part of the model.
@@ -332,33 +334,74 @@ def from_saved(saved, state):
     return restack(saved)
 
 
-def state_specs(tree):
-    """P(None, 'stage') on the stacked blocks, each device holding its stage's groups of layers;
-    P() for the rest (embedding, head, LayerNorm of the head, counters)."""
+def state_specs(tree, stages):
+    """P(None, 'stage') on the stacked blocks, each device holding its stage's groups of layers.
+    Every other parameter (the embedding, the head) and its Adam moments split over 'stage' too,
+    along the first axis `stages` divides (whole if none does): between steps each device keeps
+    1/stages of them, not a copy, and the step gathers them (gather_the_rest). Counters and the
+    key: P()."""
 
     def spec(path, x):
-        return P(None, "stage") if "'blocks'" in jax.tree_util.keystr(path) else P()
+        path = jax.tree_util.keystr(path)
+        if "'blocks'" in path:
+            return P(None, "stage")
+        axis = next((a for a, size in enumerate(x.shape) if size % stages == 0), None)
+        split = path.startswith((".params", ".opt_state"))
+        return P(*[None] * axis, "stage") if split and axis is not None else P()
 
     return jax.tree_util.tree_map_with_path(spec, tree)
 
 
-def global_norm(grads):
-    """The gradient's norm over the whole model, for clipping. Each stage holds only its own
-    blocks' gradients, so their sums of squares are added up over 'stage' (an all-reduce of one
-    number); the embedding's and head's gradients are whole on every device by then."""
-    blocks = optax.tree.norm(grads["blocks"], squared=True)
-    rest = optax.tree.norm({k: v for k, v in grads.items() if k != "blocks"}, squared=True)
-    return jnp.sqrt(lax.psum(blocks, "stage") + rest)
+def gather_the_rest(params, specs):
+    """The parameters with everything but the blocks whole on every device (all-gathers over
+    'stage'): the embedding for the first stage, the head for the last."""
+
+    def gather(x, spec):
+        return lax.all_gather(x, "stage", axis=spec.index("stage"), tiled=True) if "stage" in spec else x
+
+    return {k: v if k == "blocks" else jax.tree.map(gather, v, specs[k]) for k, v in params.items()}
+
+
+def scatter_the_rest(grads, specs):
+    """The inverse for the gradients: the embedding's comes from the first stage, the head's
+    from the last, zeros elsewhere; each is summed over 'stage' and each device keeps its piece
+    (reduce-scatters: the same bytes as an all-reduce's half, and the all-gather is the other)."""
+
+    def scatter(g, spec):
+        axis = spec.index("stage") if "stage" in spec else None
+        return (
+            lax.psum(g, "stage") if axis is None else lax.psum_scatter(g, "stage", scatter_dimension=axis, tiled=True)
+        )
+
+    return {k: v if k == "blocks" else jax.tree.map(scatter, v, specs[k]) for k, v in grads.items()}
+
+
+def global_norm(grads, specs):
+    """The gradient's norm over the whole model, for clipping. Each device holds its stage's
+    blocks' gradients and its piece of the others', so their sums of squares are added up over
+    'stage' (an all-reduce of one number); those kept whole are counted once."""
+    split = [g for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(specs), strict=True) if "stage" in spec]
+    whole = [g for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(specs), strict=True) if "stage" not in spec]
+    return jnp.sqrt(lax.psum(optax.tree.norm(split, squared=True), "stage") + optax.tree.norm(whole, squared=True))
+
+
+@functools.cache  # one per configuration: the optimizer holds it, and is part of the state's structure
+def norm_as_split(config, stages):
+    """global_norm for gradients split over 'stage' as the parameters are."""
+    state = jax.eval_shape(functools.partial(common.create_state, config, common.make_model(config), params_fn(config)))
+    return functools.partial(global_norm, specs=state_specs(state, stages).params)
+
+
+def params_fn(config):
+    """The parameters as the pipeline holds them: unboxed, the blocks stacked."""
+    return lambda boxed: stack_blocks(nn.unbox(boxed), config.virtual())
 
 
 def init_state(config, mesh, shapes_only=False):
-    def params_fn(boxed):
-        return stack_blocks(nn.unbox(boxed), config.virtual())
-
-    model = common.make_model(config)
-    create = functools.partial(common.create_state, config, model, params_fn, global_norm=global_norm)
-    # Each device computes only its own stage's blocks: the full model never exists on one device.
-    specs = state_specs(jax.eval_shape(create))
+    norm = norm_as_split(config, mesh.shape["stage"])
+    create = functools.partial(common.create_state, config, common.make_model(config), params_fn(config), norm)
+    # Each device computes only its own pieces: the full model never exists on one device.
+    specs = state_specs(jax.eval_shape(create), mesh.shape["stage"])
     create = jax.jit(create, out_shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs))
     # The state itself, or only its shapes and shardings (nothing allocated) to compile for.
     return create.eval_shape() if shapes_only else create()
@@ -486,27 +529,27 @@ def pipeline_gradients(params, batch, rng, config, table):
     return grads, {"loss_sum": loss_sum, "tokens": tokens, **stats}
 
 
-def train_step(state, batch, config, table):
+def train_step(state, batch, config, table, specs):
     """One device's share of a step: its stage's blocks, its rows of the batch."""
     # Every data shard must drop different units: fold its index into the step's key.
     rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index("data"))
-    grads, metrics = pipeline_gradients(state.params, batch, rng, config, table)
-    # The embedding's gradient comes from the first stage, the head's from the last: sum them
-    # over 'stage' (the others hold zeros), so every copy gets the same update.
-    grads = {k: v if k == "blocks" else lax.psum(v, "stage") for k, v in grads.items()}
+    params = gather_the_rest(state.params, specs)  # the embedding and head whole, for this step
+    grads, metrics = pipeline_gradients(params, batch, rng, config, table)
+    grads = scatter_the_rest(grads, specs)  # summed over 'stage', each device keeping its piece
     grads = lax.pmean(grads, "data")  # all-reduce: the mean over the data shards
     # The loss is summed on the last stage only, the blocks' sums on each stage for its blocks;
     # each stage counted the same tokens.
     metrics = {**lax.psum(metrics, ("data", "stage")), "tokens": lax.psum(metrics["tokens"], "data")}
-    # The optimizer clips by global_norm(grads): each stage holds only its blocks' gradients.
+    # The optimizer clips by global_norm(grads): each device holds only its pieces of them.
     state = state.apply_gradients(grads=grads)
     return state, {**metrics, "grad_norm": common.gradient_norm(state)}
 
 
-def eval_step(state, batch, config):
+def eval_step(state, batch, config, specs):
     """Summed held-out losses of one device's rows: the stages one after another, each device
     running the whole model with the blocks of every stage gathered (no schedule, no backward)."""
-    params = {**state.params, "blocks": lax.all_gather(state.params["blocks"], "stage", axis=1, tiled=True)}
+    params = gather_the_rest(state.params, specs)
+    params = {**params, "blocks": lax.all_gather(params["blocks"], "stage", axis=1, tiled=True)}
     return lax.psum(common.eval_metrics(state.replace(params=unstack_blocks(params)), batch), "data")
 
 
@@ -525,10 +568,10 @@ def main(config):
             show_schedule(config.schedule, table)
         return None
     state_shapes = init_state(config, mesh, shapes_only=True)
-    state_spec = state_specs(state_shapes)  # P(None, 'stage') for the blocks, P() otherwise
+    state_spec = state_specs(state_shapes, mesh.shape["stage"])  # every parameter split over 'stage'
     step_fn = jax.jit(
         jax.shard_map(
-            functools.partial(train_step, config=config, table=table),
+            functools.partial(train_step, config=config, table=table, specs=state_spec.params),
             mesh=mesh,
             in_specs=(state_spec, BATCH_SPEC),
             out_specs=(state_spec, P()),
@@ -541,7 +584,7 @@ def main(config):
     )
     eval_fn = jax.jit(
         jax.shard_map(
-            functools.partial(eval_step, config=config),
+            functools.partial(eval_step, config=config, specs=state_spec.params),
             mesh=mesh,
             in_specs=(state_spec, BATCH_SPEC),
             out_specs=P(),

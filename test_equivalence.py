@@ -491,8 +491,9 @@ def test_hsdp_shards_within_groups_and_replicates_across():
 @pytest.mark.parametrize("schedule, layers", [("1f1b", 4), ("interleaved", 8)])
 def test_pipeline_splits_the_blocks_over_stages(schedule, layers):
     """Each device holds one stage's blocks and their moments (interleaved: layers s and s + 4 on
-    stage s of 4); activations and gradients move between neighbouring stages (collective-permutes;
-    interleaved, from the last stage on to the first too), gradients are all-reduced over 'data'."""
+    stage s of 4), and a quarter of the embedding's and the head's; activations and gradients
+    move between neighbouring stages (collective-permutes; interleaved, from the last stage on to
+    the first too), gradients are all-reduced over 'data'."""
     result = run(f"pipeline_{schedule}", mesh="data=2,stage=4", layers=layers, microbatches=8)
     groups = layers // 4
     layer = global_params("pipeline", result.state)  # block_0 ... by the model's numbering
@@ -505,6 +506,13 @@ def test_pipeline_splits_the_blocks_over_stages(schedule, layers):
                 assert np.array_equal(shard.data[v, 0], model_layer)
     for leaf in jax.tree.leaves(result.state.opt_state[1][0].mu["blocks"]):
         assert leaf.addressable_data(0).shape[:2] == (groups, 1)
+    # The embedding and the head, and their moments, split over 'stage' too: a quarter each.
+    moments = result.state.opt_state[1][0]
+    for tree in (result.state.params, moments.mu, moments.nu):
+        for leaf in jax.tree.leaves({k: v for k, v in tree.items() if k != "blocks"}):
+            assert leaf.addressable_data(0).size * 4 == leaf.size
+    ops = collectives(result.compiled)  # gathered whole for the step, their gradients reduce-scattered
+    assert MODEL_GROUPS in ops["all-gather"] and MODEL_GROUPS in ops["reduce-scatter"]
     neighbours = {(s, s + 1) for s in (0, 1, 2, 4, 5, 6)} | ({(3, 0), (7, 4)} if groups > 1 else set())
     pairs = set()
     for c in common.hlo_collectives(result.compiled.as_text()):
