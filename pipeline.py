@@ -192,7 +192,7 @@ def make_schedule(kind, stages, microbatches, virtual=1):
     backward_at = np.full((chunks, microbatches), 1 << 30)  # of each BACKWARD or INPUT_GRAD
     owed = [[] for _ in range(stages)]  # zero-bubble: the (v, m) whose WEIGHT_GRAD is to run
     held = [0] * stages  # micro-batches past their forward and not past their last operation
-    most = stages if kind == "zero-bubble" else chunks * microbatches  # the cap on `held`: zero-bubble's only
+    most = stages if kind == "zero-bubble" else virtual * microbatches  # the cap on `held`: zero-bubble's only
     position, rows = [0] * stages, []
     while any(position[s] < len(orders[s]) or owed[s] for s in range(stages)):
         t, row = len(rows), []
@@ -255,7 +255,10 @@ def in_flight(table):
     for s in range(table.shape[1]):
         held, peak = set(), 0
         for op, m, v in table[:, s, :3]:
-            held = held | {(v, m)} if op == FORWARD else held - {(v, m)} if op in (BACKWARD, WEIGHT_GRAD) else held
+            if op == FORWARD:
+                held.add((v, m))
+            elif op in (BACKWARD, WEIGHT_GRAD):
+                held.discard((v, m))
             peak = max(peak, len(held))
         most.append(peak)
     return most
@@ -264,7 +267,7 @@ def in_flight(table):
 def show_schedule(kind, table):
     """One line per stage, one column per tick: F3 is micro-batch 3's forward, B3 its backward
     (zero-bubble: its input's gradient), W3 its weights' gradient (zero-bubble); interleaved,
-    5F3 is micro-batch 3's forward through chunk 5 of the model (as PyTorch writes it)."""
+    5F3 is micro-batch 3's forward through the model's group of layers 5 (as PyTorch writes it)."""
     stages, virtual = table.shape[1], table[:, :, VIRTUAL].max() + 1
     letter = {IDLE: ".", FORWARD: "F", BACKWARD: "B", INPUT_GRAD: "B", WEIGHT_GRAD: "W"}
 
@@ -470,6 +473,8 @@ def pipeline_gradients(params, batch, rng, config, table):
     stats = jax.eval_shape(lambda: block.apply({"params": block_params}, activation, True))[1] or {}
     stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats)
 
+    split = bool((table[:, :, OP] == WEIGHT_GRAD).any())  # zero-bubble's backward in two halves
+
     def tick(carry, row):
         inputs, gradients_in, grads, loss_sum, stats_sum = carry
         op, m, v, input_slot, gradient_slot, input_in, gradient_in = row[stage]
@@ -504,8 +509,10 @@ def pipeline_gradients(params, batch, rng, config, table):
             return grad_params if of_params else zeros[0], grad_input if of_input else zeros[1]
 
         output, loss, more = lax.cond(op == FORWARD, forward, no_forward)
-        backwards = [no_backward, backward, functools.partial(backward, of_params=False)]
-        backwards += [functools.partial(backward, of_input=False)]  # BACKWARD, INPUT_GRAD, WEIGHT_GRAD
+        # Indexed by op - FORWARD: BACKWARD, or zero-bubble's INPUT_GRAD and WEIGHT_GRAD in its
+        # place. Only the backwards the table runs: XLA:CPU keeps each branch's temporaries apart.
+        halves = [functools.partial(backward, of_params=False), functools.partial(backward, of_input=False)]
+        backwards = [no_backward, no_backward, *halves] if split else [no_backward, backward]
         grad_params, grad_input = lax.switch(jnp.maximum(op - FORWARD, 0), backwards)
         # After each tick: activations to the next stage, their gradients to the previous one.
         received = lax.ppermute(output, "stage", to_next)

@@ -33,9 +33,11 @@ STRATEGIES = {
     **{f"logical {rules}": ["logical_pjit.py", "--rules", rules] for rules in ("dp", "fsdp", "hsdp", "tp", "fsdp_tp")},
     "pipeline gpipe": ["pipeline.py", "--schedule", "gpipe"],
     "pipeline 1f1b": ["pipeline.py", "--schedule", "1f1b"],
+    "pipeline zero-bubble": ["pipeline.py", "--schedule", "zero-bubble"],
+    "pipeline interleaved": ["pipeline.py", "--schedule", "interleaved"],  # 4 layers: data=4,stage=2
     "context_parallel": ["context_parallel.py"],
 }
-NO_REMAT = {"pipeline gpipe", "pipeline 1f1b"}  # each stage's backward recomputes it already
+NO_REMAT = {name for name in STRATEGIES if name.startswith("pipeline")}  # each stage's backward recomputes it
 README_START, README_END = "<!-- benchmark:start -->", "<!-- benchmark:end -->"
 
 
