@@ -2,6 +2,7 @@
 that survives a resume, preemption and Ctrl-C, crash safety, a full disk, one run per folder,
 unreadable checkpoints, changed flags, and the checkpoint folders that are bad input."""
 
+import functools
 import json
 import os
 import re
@@ -13,10 +14,17 @@ import time
 
 import pytest
 
+import common
+import shardmap_dp
 from tests.harness import (
     RTOL, SMALL, TINY, as_flags, cluster, copy_alone, matrix, model_flags, run, run_script, run_uncached,
     wait_ok,
 )  # fmt: skip
+
+
+def relative(mine, ref):
+    """The largest difference between two lists of numbers, relative to the reference's."""
+    return max(abs(a - b) / abs(b) for a, b in zip(mine, ref, strict=True))
 
 
 def steps_in(folder):
@@ -36,7 +44,7 @@ def test_resume_is_exact_in_the_same_script(name, tmp_path):
     first = interrupted(name, tmp_path, dropout=0.1)  # dropout: the rng must resume too
     resumed = run_uncached(name, checkpoint_dir=str(tmp_path), checkpoint_every=10, dropout=0.1)
     print(f"\n{name} resumed at step 10: {len(resumed.losses)} steps, bitwise equal")
-    assert resumed.losses == first.losses[10:]  # bitwise
+    assert resumed.losses == first.losses[10:] and resumed.grad_norms == first.grad_norms[10:]  # bitwise
     assert steps_in(tmp_path) == [10, 20]
 
 
@@ -56,10 +64,11 @@ def test_another_script_resumes(writer, reader, tmp_path):
     interrupted(writer, tmp_path)
     flags = model_flags(writer)
     resumed = run_uncached(reader, checkpoint_dir=str(tmp_path), checkpoint_every=10, **flags)
-    uninterrupted = run(reader, **flags).losses[10:]
-    diff = max(abs(a - b) / b for a, b in zip(resumed.losses, uninterrupted, strict=True))
-    print(f"\n{writer} -> {reader}: loss {diff:.1e}")
-    assert diff <= RTOL
+    uninterrupted = run(reader, **flags)
+    diff = relative(resumed.losses, uninterrupted.losses[10:])
+    norm_diff = relative(resumed.grad_norms, uninterrupted.grad_norms[10:])
+    print(f"\n{writer} -> {reader}: loss {diff:.1e}, gradient norm {norm_diff:.1e}")
+    assert diff <= RTOL and norm_diff <= RTOL
 
 
 def test_resume_at_the_end_trains_nothing(tmp_path):
@@ -83,6 +92,16 @@ def start_training(tmp_path, *flags):
     )  # fmt: skip
     log.close()
     return proc
+
+
+@functools.cache
+def uninterrupted(steps):
+    """(loss, gradient norm) of every step of start_training's run, had it been run for `steps`
+    steps and never stopped: during the warmup the learning rate does not depend on --steps."""
+    config = common.parse_config(shardmap_dp.Config, argv=[*TINY, "--steps", str(steps)])
+    assert steps <= config.warmup_steps
+    result = shardmap_dp.main(config)
+    return list(zip(result.losses, result.grad_norms, strict=True))
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
@@ -110,6 +129,8 @@ def test_a_stop_signal_saves_writes_the_summary_and_exits_0(signum, tmp_path):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records[:-1]] == list(range(1, stopped + 3))
     assert records[-1]["summary"]["steps"] == stopped + 2 and records[-1]["summary"]["resumed_from"] == stopped
+    # And it trained on as if never stopped: every step's loss and gradient norm, bit for bit.
+    assert [(r["loss"], r["grad_norm"]) for r in records[:-1]] == uninterrupted(stopped + 2)
 
 
 def test_a_second_ctrl_c_stops_at_once(tmp_path, monkeypatch, capsys):
@@ -170,10 +191,14 @@ def test_a_save_killed_halfway_is_never_read(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     complete = max(int(n) for n in os.listdir(ckpt) if n.isdigit())
     assert any("tmp" in n for n in os.listdir(ckpt))  # killed in the middle of a save
-    done = run_script("shardmap_dp", tmp_path, *TINY, "--steps", str(complete + 1), "--checkpoint-dir", "ckpt")
+    done = run_script("shardmap_dp", tmp_path, *TINY, "--steps", str(complete + 1), "--checkpoint-dir", "ckpt",
+                      "--metrics-file", "metrics.jsonl")  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resumed from the checkpoint of step {complete}" in done.stdout
     assert not any("tmp" in n for n in os.listdir(ckpt))  # cleaned up
+    # The step after the checkpoint, as a run never killed trains it, bit for bit.
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["loss"], r["grad_norm"]) for r in records[:-1]] == uninterrupted(complete + 1)[complete:]
 
 
 def test_checkpoint_of_another_model_exits_2(tmp_path):
@@ -216,7 +241,7 @@ def test_two_processes_resume(script, tmp_path):
     shutil.rmtree(tmp_path / "ckpt" / "10")
     resumed = two_processes(script, tmp_path, "resumed.jsonl")
     assert [r["step"] for r in resumed] == list(range(6, 11))
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in first[5:]]  # bitwise
+    assert [(r["loss"], r["grad_norm"]) for r in resumed] == [(r["loss"], r["grad_norm"]) for r in first[5:]]  # bitwise
 
 
 def test_metrics_file_folder_is_created(tmp_path):
@@ -365,10 +390,11 @@ def test_resume_on_fewer_devices(script, tmp_path):
     assert done.returncode == 0 and "resumed from the checkpoint of step 10" in done.stdout, done.stderr[-2000:]
     assert done.stdout.startswith("4 cpu devices") or "\n4 cpu devices" in done.stdout
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()[:-1]]
-    uninterrupted = run(script).losses[10:]
-    diff = max(abs(r["loss"] - ref) / ref for r, ref in zip(records, uninterrupted, strict=True))
-    print(f"\n{script}: 8 devices -> 4, steps 11-20: loss {diff:.1e}")
-    assert [r["step"] for r in records] == list(range(11, 21)) and diff <= RTOL
+    uninterrupted = run(script)
+    diff = relative([r["loss"] for r in records], uninterrupted.losses[10:])
+    norm_diff = relative([r["grad_norm"] for r in records], uninterrupted.grad_norms[10:])
+    print(f"\n{script}: 8 devices -> 4, steps 11-20: loss {diff:.1e}, gradient norm {norm_diff:.1e}")
+    assert [r["step"] for r in records] == list(range(11, 21)) and diff <= RTOL and norm_diff <= RTOL
 
 
 @pytest.mark.parametrize("script", matrix(["pjit_tp", "fsdp"], ["pjit_tp"]))  # fsdp: test_two_processes_resume
@@ -377,9 +403,10 @@ def test_resume_from_two_processes_on_one(script, tmp_path):
     first = two_processes(script, tmp_path, "first.jsonl")
     shutil.rmtree(tmp_path / "ckpt" / "10")
     resumed = run_uncached(script, steps=10, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=5)
-    diff = max(abs(a - b["loss"]) / b["loss"] for a, b in zip(resumed.losses, first[5:], strict=True))
-    print(f"\n{script}: 2 processes x 4 -> 1 x 8, steps 6-10: loss {diff:.1e}")
-    assert len(resumed.losses) == 5 and diff <= RTOL
+    diff = relative(resumed.losses, [r["loss"] for r in first[5:]])
+    norm_diff = relative(resumed.grad_norms, [r["grad_norm"] for r in first[5:]])
+    print(f"\n{script}: 2 processes x 4 -> 1 x 8, steps 6-10: loss {diff:.1e}, gradient norm {norm_diff:.1e}")
+    assert len(resumed.losses) == 5 and diff <= RTOL and norm_diff <= RTOL
 
 
 def test_a_non_finite_state_is_never_saved(tmp_path):

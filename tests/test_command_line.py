@@ -149,8 +149,8 @@ BITWISE = ["pjit_tp", "context_parallel", "pmap_dp", "pipeline_1f1b"]
 @pytest.mark.parametrize("name", matrix(list(DEFAULTS.values()), BITWISE))
 def test_same_flags_same_losses_bitwise(name):
     """Two runs with the same flags and seed, dropout on: identical losses, bit for bit."""
-    first, second = run(name, dropout=0.1, steps=5).losses, run_uncached(name, dropout=0.1, steps=5).losses
-    assert first == second and len(first) == 5
+    first, second = run(name, dropout=0.1, steps=5), run_uncached(name, dropout=0.1, steps=5)
+    assert first.losses == second.losses and first.grad_norms == second.grad_norms and len(first.losses) == 5
 
 
 def test_debug_nans_turns_on_jax_nan_checks(tmp_path):

@@ -5,6 +5,7 @@ time; --show-sharding and the benchmark that tabulates it all."""
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -250,6 +251,18 @@ def pipeline_temporaries(schedule, layers, microbatches):
 ACTIVATION = 2 * 64 * SMALL["d_model"] * 4  # one micro-batch's input to a stage: 2 rows, float32
 
 
+def documented(page, row):
+    """The megabytes a table row of a docs/ page states, in order: what the tests below measure
+    is written there, and must still be what they measure (within 2%: XLA:CPU's buffers are the
+    same on every x86 CPU so far; the margin keeps a table from failing on a rounding)."""
+    line = next(line for line in (ROOT / "docs" / page).read_text().splitlines() if line.startswith(f"| {row} |"))
+    return [float(x.replace(",", "")) for x in re.findall(r"([\d,.]+) MB", line)]
+
+
+def same(stated, measured_bytes):
+    return all(abs(a - b / 1e6) <= 0.02 * a for a, b in zip(stated, measured_bytes, strict=True))
+
+
 def slots(schedule, microbatches, virtual=1):
     """The activations and gradients a stage keeps at once, from the schedule's table."""
     table = pipeline.make_schedule(schedule, 4, microbatches, virtual)
@@ -276,6 +289,8 @@ def test_1f1b_keeps_fewer_activations_than_gpipe():
         assert more >= slots("zero-bubble", microbatches) - slots("1f1b", microbatches) - 0.1
         assert temp["zero-bubble", microbatches] <= 1.1 * temp["1f1b", microbatches]
     assert temp["zero-bubble", 16] - temp["zero-bubble", 4] < 0.5 * ACTIVATION
+    for row, schedule in [("GPipe", "gpipe"), ("1F1B", "1f1b"), ("zero-bubble", "zero-bubble")]:  # the docs' table
+        assert same(documented("strategies.md", row), [temp[schedule, m] for m in (4, 8, 16)]), row
 
 
 @FULL
@@ -291,9 +306,13 @@ def test_interleaving_keeps_more_inputs_and_recomputes_less():
     assert abs(growth - (slots("interleaved", 16, 2) - slots("interleaved", 4, 2))) <= 0.3
     for microbatches in (4, 8, 16):
         assert temp["interleaved", microbatches] < temp["1f1b", microbatches]
+    rows = [("8 layers: 1F1B", "1f1b"), ("8 layers: interleaved, 2 groups of one layer per stage", "interleaved")]
+    for row, schedule in rows:  # the docs' table
+        assert same(documented("strategies.md", row), [temp[schedule, m] for m in (4, 8, 16)]), row
 
 
-def test_context_parallel_activation_memory():
+@pytest.mark.parametrize("length", matrix([256, 512], [256]))
+def test_context_parallel_activation_memory(length):
     """The compiled step's temporaries per device: context=8 at 8 x the sequence length stays
     within 1.5 x of one device at the length (each device holds 1/8 of every sequence, and ring
     attention never holds a whole sequence's scores), while data parallelism at 8 x the length,
@@ -325,12 +344,12 @@ def test_context_parallel_activation_memory():
         return step.lower(shapes, batch).compile().memory_analysis().temp_size_in_bytes
 
     model = dict(layers=2, d_model=64, heads=4, batch_size=2, dropout=0.0, cpu_devices=DEVICES)
-    for length in (256, 512):
-        one = one_device(common.Config(**model, seq_len=length))
-        data_parallel = one_device(common.Config(**model, seq_len=8 * length))
-        ring = context_eight(context_parallel.Config(**model, seq_len=8 * length, mesh="data=1,context=8"))
-        print(
-            f"\nlength {length}: one device {one / 1e6:.2f} MB; at {8 * length}: context=8 {ring / 1e6:.2f} MB "
-            f"({ring / one:.2f} x), data parallel {data_parallel / 1e6:.1f} MB ({data_parallel / one:.1f} x)"
-        )
-        assert ring <= 1.5 * one and data_parallel >= 8 * one
+    one = one_device(common.Config(**model, seq_len=length))
+    data_parallel = one_device(common.Config(**model, seq_len=8 * length))
+    ring = context_eight(context_parallel.Config(**model, seq_len=8 * length, mesh="data=1,context=8"))
+    print(
+        f"\nlength {length}: one device {one / 1e6:.2f} MB; at {8 * length}: context=8 {ring / 1e6:.2f} MB "
+        f"({ring / one:.2f} x), data parallel {data_parallel / 1e6:.1f} MB ({data_parallel / one:.1f} x)"
+    )
+    assert ring <= 1.5 * one and data_parallel >= 8 * one
+    assert same(documented("strategies.md", str(length)), [one, ring, data_parallel])  # the docs' table

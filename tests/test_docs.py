@@ -5,8 +5,10 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 import pipeline
-from tests.harness import ROOT, SCRIPTS
+from tests.harness import ROOT, SCRIPTS, matrix
 
 BRANCHES = ["pipeline", "context_parallel", "expert_parallel"]  # read after shardmap_dp.py, beside the chain
 
@@ -82,3 +84,71 @@ def test_the_count_of_bad_inputs_is_the_tests_own():
     cases = sum(len(scripts) for _, scripts, _ in BAD_INPUTS)
     text = (ROOT / "docs" / "operations.md").read_text()
     assert f"({len(BAD_INPUTS)} of them, {cases} cases over the scripts they apply to)" in text
+
+
+def benchmark_rows(page):
+    """{strategy: {column: cell}} of the benchmark table in a page."""
+    text = page.read_text().split("<!-- benchmark:start -->")[-1].split("<!-- benchmark:end -->")[0]
+    lines = [line for line in text.splitlines() if line.startswith("|")]  # results.md: the table alone
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    return {
+        cells[0]: dict(zip(header, cells, strict=True))
+        for cells in ([cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:])
+    }
+
+
+# What a benchmark row says that does not depend on the machine's speed or on the 200 steps'
+# training: the layout's bytes and the compiled step's collectives, the same on any x86 CPU.
+STRUCTURE = ["state MB/device", "× total/N", "compiled args MB", "all-reduce n / MB", "all-gather n / MB",
+             "reduce-scatter n / MB", "other n / MB"]  # fmt: skip
+
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import benchmark  # noqa: E402
+
+# Three rows in every pytest (FSDP by hand, the compiler's 2-D sharding, a pipeline), every row
+# with -m full: each row compiles the default model.
+TABLE_ROWS = ["fsdp", "logical fsdp_tp", "pipeline 1f1b"]
+
+
+@pytest.mark.parametrize("strategy", matrix(list(benchmark.STRATEGIES), TABLE_ROWS))
+def test_the_benchmark_table_is_what_the_scripts_compile(strategy):
+    """docs/costs.md's benchmark table (and benchmarks/results.md, the same table) holds each
+    strategy's bytes of state per device and collectives per step as the scripts make them
+    today: the strategy runs one step on the table's configuration, here, and its report fills
+    those columns as benchmarks/benchmark.py does. (The timings, the compile times and the
+    losses after 200 steps are the benchmark run's own.)"""
+    import common
+
+    table = benchmark_rows(ROOT / "docs" / "costs.md")
+    assert table == benchmark_rows(ROOT / "benchmarks" / "results.md")
+    assert list(table) == list(benchmark.STRATEGIES)
+    command = benchmark.STRATEGIES[strategy]
+    module = SCRIPTS[command[0].removesuffix(".py")]
+    config = common.parse_config(module.Config, argv=[*command[1:], "--steps=1", "--eval-every=0"])
+    s = module.main(config).summary
+    c = s["collectives"]
+    other = {key: c["all-to-all"][key] + c["collective-permute"][key] for key in ("count", "bytes")}
+    mine = [
+        benchmark.megabytes(s["state_bytes_per_device"]),
+        f"{s['state_bytes_per_device'] * s['devices'] / s['state_bytes_total']:.2f}",
+        benchmark.megabytes(s["compiled_argument_bytes"]),
+        *map(benchmark.collective_cell, (c["all-reduce"], c["all-gather"], c["reduce-scatter"], other)),
+    ]
+    print(f"\n{strategy}: {mine}; temporaries {benchmark.megabytes(s['compiled_temp_bytes'])} MB")
+    assert mine == [table[strategy][column] for column in STRUCTURE]
+
+
+def test_the_mutation_table_is_the_catalogues():
+    """docs/mutations.md's table has a row for each bug of tools/mutations.py, in order, each
+    caught: the table tools/mutations.py --write made from the catalogue as it is today (the run
+    itself is not a test: about 15 minutes)."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    import mutations
+
+    text = (ROOT / "docs" / "mutations.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| `([\w.]+)` \| (.+?) \| `(\S+)` \|", text, re.MULTILINE)
+    assert [(int(i), file, what) for i, file, what, _ in rows] == [
+        (i, bug.file, bug.what) for i, bug in enumerate(mutations.BUGS, 1)
+    ]
+    assert len(rows) >= 15 and "not caught" not in text

@@ -1,0 +1,324 @@
+"""Put plausible parallelism bugs into the scripts, one at a time, and check that the tests catch each.
+
+A catalogue of bugs that a careful person could write (a sum where a mean belongs, a collective
+left out or added, a ring turned the wrong way, a shared dropout key, ...), each one a single
+edit of one line that matters in a strategy's code. For each bug the tool copies the project
+into a temporary folder, makes the edit there, and runs the tests of `pytest` (not `-m full`)
+that should catch it, stopping at the first failure. A bug is caught when a test fails; the
+table says which test and how long it took. A bug the tests let through is a hole in the
+proof: the tool exits 1.
+
+The tests each bug runs are a part of the suite chosen to catch it quickly; every one of them
+is also in a plain `pytest`, so the whole suite catches it too. Before the bugs, the same tests
+run on the unchanged code and must pass (skip with --no-clean), so that a failure means the bug.
+
+  python tools/mutations.py                 # every bug; about 15 minutes on 2 cores
+  python tools/mutations.py --only 3 7      # some of them
+  python tools/mutations.py --write         # and rewrite the table in docs/mutations.md
+"""
+
+import argparse
+import dataclasses
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGE = ROOT / "docs" / "mutations.md"
+MARKER = re.compile(r"<!-- mutations:start -->\n.*?<!-- mutations:end -->", re.DOTALL)
+EQ = "test_equivalence.py"
+
+
+@dataclasses.dataclass(frozen=True)
+class Bug:
+    file: str  # the file the bug goes into
+    old: str  # the text it replaces: it must occur exactly once in the file
+    new: str
+    what: str  # the bug, for the table
+    tests: tuple  # pytest node ids (or files) that should catch it
+
+
+BUGS = [
+    Bug(
+        "shardmap_dp.py",
+        'grads = lax.pmean(grads, "data")',
+        'grads = lax.psum(grads, "data")',
+        "data parallelism sums the devices' gradients instead of averaging them (a wrong mean)",
+        (f"{EQ}::test_matches_single_device_reference[shardmap_dp]",),
+    ),
+    Bug(
+        "pmap_dp.py",
+        'metrics = lax.psum(metrics, "data")',
+        "metrics = metrics",
+        "pmap's metrics are not summed over the devices: the loss logged is one device's (a missing psum)",
+        (f"{EQ}::test_matches_single_device_reference[pmap_dp]",),
+    ),
+    Bug(
+        "fsdp.py",
+        'mean = grad.value / lax.axis_size("data")',
+        "mean = grad.value",
+        "FSDP keeps the reduce-scattered sum of a shard's gradient, not its mean",
+        (f"{EQ}::test_matches_single_device_reference[fsdp]",),
+    ),
+    Bug(
+        "fsdp.py",
+        'return grad.replace(value=lax.pmean(mean, "replica") if "replica" in every_device() else mean)',
+        "return grad.replace(value=mean)",
+        "HSDP: the shards' gradients are not all-reduced across the replica groups (a missing psum)",
+        (f"{EQ}::test_matches_single_device_reference[hsdp]",),
+    ),
+    Bug(
+        "fsdp.py",
+        'return jnp.sqrt(lax.psum(sharded, "data") + whole)',
+        "return jnp.sqrt(sharded + whole)",
+        "FSDP clips by the norm of the device's own shards: a local norm",
+        (f"{EQ}::test_clipping_matches[fsdp]", f"{EQ}::test_matches_single_device_reference[fsdp]"),
+    ),
+    Bug(
+        "expert_parallel.py",
+        'return lax.psum(grad, "data") / lax.axis_size(("data", "expert"))',
+        'return lax.psum(grad, "data") / lax.axis_size("data")',
+        "an expert's gradient, already summed over 'expert' by the all-to-all, is divided as if it were not "
+        "(4 times too large)",
+        (f"{EQ}::test_matches_single_device_reference[expert_parallel]",),
+    ),
+    Bug(
+        "expert_parallel.py",
+        'return jnp.sqrt(lax.psum(split, "expert") + whole)',
+        "return jnp.sqrt(split + whole)",
+        "expert parallelism clips by a norm that counts only the device's own experts",
+        (f"{EQ}::test_matches_single_device_reference[expert_parallel]",),
+    ),
+    Bug(
+        "context_parallel.py",
+        "ring = [(d, (d + 1) % devices) for d in range(devices)]",
+        "ring = [(d, (d - 1) % devices) for d in range(devices)]",
+        "ring attention sends keys and values the wrong way round the ring (wrong ppermute direction)",
+        (f"{EQ}::test_matches_single_device_reference[context_parallel]",),
+    ),
+    Bug(
+        "context_parallel.py",
+        "running = lax.cond(k_piece <= q_piece, update, lambda running: running, running)",
+        "running = update(running)",
+        "ring attention's mask is not causal across hops: a query sees the pieces after its own",
+        (f"{EQ}::test_matches_single_device_reference[context_parallel]",),
+    ),
+    Bug(
+        "context_parallel.py",
+        'rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index(("data", "context")))',
+        "rng = jax.random.fold_in(state.rng, state.step)",
+        "context parallelism's dropout keys are shared: every device draws the same masks",
+        ("tests/test_dropout.py::test_dropout_is_on_and_every_device_draws_its_own_masks[context_parallel]",),
+    ),
+    Bug(
+        "context_parallel.py",
+        'return lax.all_gather(x, "context", axis=1, tiled=True)',
+        "return x",
+        "a mixture of experts routes each device's pieces of a sequence, not the whole sequence",
+        (f"{EQ}::test_a_mixture_of_experts_matches[context_parallel]",),
+    ),
+    Bug(
+        "pipeline.py",
+        'received = lax.ppermute(output, "stage", to_next)',
+        'received = lax.ppermute(output, "stage", to_previous)',
+        "the pipeline sends activations to the previous stage (wrong ppermute direction)",
+        (f"{EQ}::test_matches_single_device_reference[pipeline_1f1b]",),
+    ),
+    Bug(
+        "pipeline.py",
+        "grads = jax.tree.map(jnp.add, grads, grad_params)",
+        "grads = jax.tree.map(lambda g, d: g + jnp.where(m == 0, 0, d), grads, grad_params)",
+        "the pipeline drops the first micro-batch's gradient",
+        (f"{EQ}::test_matches_single_device_reference[pipeline_1f1b]",),
+    ),
+    Bug(
+        "pipeline.py",
+        'lax.psum(g, "stage") if axis is None else lax.psum_scatter(g, "stage", scatter_dimension=axis, tiled=True)',
+        'g if axis is None else lax.dynamic_slice_in_dim(g, lax.axis_index("stage") * (g.shape[axis] // '
+        'lax.axis_size("stage")), g.shape[axis] // lax.axis_size("stage"), axis)',
+        "the embedding's and head's gradients are not reduce-scattered over 'stage': each device keeps its slice "
+        "of its own stage's gradient",
+        (f"{EQ}::test_matches_single_device_reference[pipeline_1f1b]",),
+    ),
+    Bug(
+        "common.py",
+        "total, _ = jax.lax.scan(add_piece, piece_grads(pieces[0], 0), (pieces[1:], jnp.arange(1, microbatches)))",
+        "total, _ = jax.lax.scan(add_piece, jax.tree.map(jnp.zeros_like, piece_grads(pieces[0], 0)), (pieces[1:], "
+        "jnp.arange(1, microbatches)))",
+        "gradient accumulation drops the first micro-batch's gradient",
+        (f"{EQ}::test_microbatches_match[shardmap_dp]",),
+    ),
+    Bug(
+        "logical_pjit.py",
+        "create = jax.jit(create, out_shardings=state_shardings(boxed, mesh, RULES[config.rules]))",
+        "shardings = state_shardings(boxed, mesh, RULES[config.rules])\n"
+        "    replicated = NamedSharding(mesh, P())\n"
+        "    shardings = shardings.replace(opt_state=jax.tree.map(lambda _: replicated, shardings.opt_state))\n"
+        "    create = jax.jit(create, out_shardings=shardings)",
+        "logical_pjit.py keeps Adam's moments whole on every device (moments unsharded)",
+        (f"{EQ}::test_matches_single_device_reference[logical_fsdp_tp]",),
+    ),
+    Bug(
+        "pjit_tp.py",
+        "return jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, state_spec(path, x)), "
+        "abstract_state)",
+        "shardings = jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, state_spec(path, x)), "
+        "abstract_state)\n    return shardings.replace(opt_state=jax.tree.map(lambda _: NamedSharding(mesh, P()), "
+        "shardings.opt_state))",
+        "pjit_tp.py keeps Adam's moments whole on every device (moments unsharded)",
+        (f"{EQ}::test_matches_single_device_reference[pjit_tp]",),
+    ),
+    Bug(
+        "pjit_tp.py",
+        '(r"mlp/fc2/kernel", P("model", None)),',
+        '(r"mlp/fc2/kernel", P(None, "model")),',
+        "tensor parallelism splits fc2 by output columns instead of input rows (not Megatron's layout: the "
+        "compiler gathers instead)",
+        (f"{EQ}::test_tensor_parallelism_is_megatron[pjit_tp]",),
+    ),
+    Bug(
+        "shardmap_dp.py",
+        'rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index("data"))',
+        "rng = jax.random.fold_in(state.rng, state.step)",
+        "data parallelism's dropout keys are shared: every device draws the same masks",
+        ("tests/test_dropout.py::test_dropout_is_on_and_every_device_draws_its_own_masks[shardmap_dp]",),
+    ),
+    Bug(
+        "common.py",
+        "        dtype=config.dtype,\n        name=name,",
+        "        dtype=jnp.float32,\n        name=name,",
+        "--dtype bfloat16 is ignored by the dense layers: everything computes in float32",
+        (f"{EQ}::test_bfloat16_matches[shardmap_dp]",),
+    ),
+    Bug(
+        "pipeline.py",
+        "loss_scale = 1.0 / (pieces.shape[0] * pieces.shape[1] * config.seq_len)",
+        "loss_scale = 1.0 / (pieces.shape[1] * config.seq_len)",
+        "the pipeline's gradient is the sum over micro-batches, not the mean",
+        (f"{EQ}::test_matches_single_device_reference[pipeline_1f1b]",),
+    ),
+    Bug(
+        "pipeline.py",
+        "checkpoints = common.Checkpoints(config, to_saved, from_saved)",
+        "checkpoints = common.Checkpoints(config)",
+        "the pipeline saves and restores its own stacked layout, not the checkpoints' one: another script's "
+        "checkpoint is read into the wrong layout",
+        ("tests/test_checkpoints.py::test_another_script_resumes",),
+    ),
+    Bug(
+        "expert_parallel.py",
+        'return lax.psum(grad, "data") / lax.axis_size(("data", "expert"))',
+        'return lax.psum(lax.psum(grad, "expert"), "data") / lax.axis_size(("data", "expert"))',
+        "an extra psum: each expert's gradient summed with the other experts' of its group",
+        (f"{EQ}::test_matches_single_device_reference[expert_parallel]",),
+    ),
+    Bug(
+        "pipeline.py",
+        'rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index("data"))',
+        "rng = jax.random.fold_in(state.rng, state.step)",
+        "the pipeline's dropout keys are shared by the data shards: their devices draw the same masks",
+        ("tests/test_dropout.py::test_dropout_is_on_and_every_device_draws_its_own_masks[pipeline_1f1b]",),
+    ),
+    Bug(
+        "common.py",
+        "return range(process * rows, (process + 1) * rows)",
+        "return range(0, rows)",
+        "with several processes, every process builds the same rows of the batch",
+        (f"{EQ}::test_two_processes_match_one[shardmap_dp]",),
+    ),
+]
+
+
+def copy_project(folder: Path):
+    """The files git tracks (and the ones it does not ignore), as a clean clone has them."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
+        check=True,
+    ).stdout.split()  # fmt: skip
+    for name in listed:
+        source = ROOT / name
+        if source.is_file():
+            (folder / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, folder / name)
+
+
+def run_tests(folder: Path, tests: tuple, timeout: int) -> tuple:
+    """(pytest's exit status, the first failed test or None, how it failed, seconds, the output's end)."""
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not full", *tests],
+        cwd=folder, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    failed = re.search(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.MULTILINE)
+    # How: an assertion of the tests, or an error JAX raised (check_vma, shapes, ...) on the way.
+    error = re.search(r"^E +(\w+(?:Error|Exception)\b)", done.stdout, re.MULTILINE)
+    how = error.group(1) if error and error.group(1) != "AssertionError" else None
+    return done.returncode, failed.group(1) if failed else None, how, seconds, done.stdout[-3000:]
+
+
+def table(results) -> str:
+    lines = [
+        "| # | file | the bug | caught by | how | seconds |",
+        "|---|---|---|---|---|---|",
+    ]
+    for i, bug, caught, how, seconds in results:
+        test = f"`{caught}`" if caught else "**not caught**"
+        lines.append(f"| {i} | `{bug.file}` | {bug.what} | {test} | {how or '–'} | {seconds:.0f} |")
+    return "\n".join(lines)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", type=int, nargs="*", help="the bugs to try, by number (default: all)")
+    parser.add_argument("--no-clean", action="store_true", help="skip the run of the tests on the unchanged code")
+    parser.add_argument("--write", action="store_true", help="rewrite the table in docs/mutations.md")
+    parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed for each bug's tests")
+    args = parser.parse_args()
+    chosen = [(i, bug) for i, bug in enumerate(BUGS, 1) if not args.only or i in args.only]
+    for i, bug in chosen:  # every edit applies: its text is in the file once
+        count = (ROOT / bug.file).read_text().count(bug.old)
+        if count != 1:
+            sys.exit(f"bug {i}: its text occurs {count} times in {bug.file}, not once")
+    with tempfile.TemporaryDirectory(prefix="mutations-") as tmp:
+        folder = Path(tmp)
+        copy_project(folder)
+        if not args.no_clean:
+            tests = tuple(dict.fromkeys(test for _, bug in chosen for test in bug.tests))
+            status, failed, _, seconds, out = run_tests(folder, tests, args.timeout * 2)
+            print(f"unchanged code: {len(tests)} test selections, exit {status}, {seconds:.0f}s", flush=True)
+            if status != 0:
+                sys.exit(f"the tests fail on the unchanged code ({failed}):\n{out}")
+        results = []
+        for i, bug in chosen:
+            path = folder / bug.file
+            original = path.read_text()
+            path.write_text(original.replace(bug.old, bug.new))
+            try:
+                status, failed, how, seconds, out = run_tests(folder, bug.tests, args.timeout)
+            finally:
+                path.write_text(original)
+            caught = failed if status != 0 else None
+            if status not in (0, 1):  # not a test failure: a crash of pytest, or nothing collected
+                caught = f"pytest exit {status}" if failed is None else failed
+            how = (how or "assertion") if caught else None
+            results.append((i, bug, caught, how, seconds))
+            print(f"bug {i} ({bug.file}): {f'caught by {caught} ({how})' if caught else 'NOT CAUGHT'} in {seconds:.0f}s",
+                  flush=True)  # fmt: skip
+            if not caught:
+                print(out)
+    text = table(results)
+    print(text)
+    if args.write:
+        page = PAGE.read_text()
+        PAGE.write_text(MARKER.sub(lambda _: f"<!-- mutations:start -->\n{text}\n<!-- mutations:end -->", page))
+        print(f"wrote {PAGE.relative_to(ROOT)}")
+    sys.exit(0 if all(caught for _, _, caught, *_ in results) else 1)
+
+
+if __name__ == "__main__":
+    main()
