@@ -1,10 +1,12 @@
 """What the strategy scripts share, and never a strategy.
 
-Read top to bottom: the Config (every flag), the model and its contract, the data, the
-TrainState with its optimizer, loss and gradient accumulation. These are what every script is built from. Below
-the PLUMBING banner: the command line and its checks, devices and several processes,
-checkpoints, the cost report, and logging. Nothing here decides how work is split across
-devices: that is what each script teaches, so it lives in the script.
+The lesson comes first and reads alone: the training's flags (TrainingConfig), the model's
+contract and the GPT, the TrainState with its optimizer, clipping, loss and gradient
+accumulation, a mixture of experts, the data. These are what every script is built from, and
+they call nothing below the PLUMBING banner. Below it, what a real run needs around them: the
+run's flags (Config) and the command line's checks, the model and dataset a flag names,
+devices and several processes, checkpoints, the cost report and logging. Nothing here decides
+how work is split across devices: that is what each script teaches, so it lives in the script.
 """
 
 import argparse
@@ -42,18 +44,31 @@ BYTES = 256  # the vocabulary of byte-level text
 MAX_VOCAB = 2**20  # larger ones take minutes to set up, and gigabytes, before anything is checked
 
 
+class ConfigError(ValueError):
+    """A bad flag. The command line reports it as one line and exit status 2."""
+
+
+def require(ok, name, message):
+    """Raise ConfigError for flag --name unless ok."""
+    if not ok:
+        raise ConfigError(f"--{name.replace('_', '-')} {message}")
+
+
 # ----------------------------------------------------------------------------------------------
-# Config: every flag of every script, with its default and its --help text
+# Training config: the model's, the data's and the optimizer's flags
 # ----------------------------------------------------------------------------------------------
 
 
 def arg(default, help, **argparse_kwargs):
-    """A Config field that is also a command-line flag: its default and its --help text."""
+    """A config field that is also a command-line flag: its default and its --help text."""
     return dataclasses.field(default=default, metadata={"help": help, **argparse_kwargs})
 
 
 @dataclasses.dataclass(frozen=True)
-class Config:
+class TrainingConfig:
+    """The flags of what is trained: the model, the data and the optimizer. Every script's
+    Config adds the run's (common.Config, below the banner) and its strategy's own."""
+
     steps: int = arg(200, "optimizer steps to run")
     batch_size: int = arg(32, "global batch: sequences per step, summed over all devices")
     seq_len: int = arg(64, "tokens per training sequence (the context length)")
@@ -64,69 +79,52 @@ class Config:
     lr: float = arg(3e-3, "peak learning rate: linear warmup, then cosine decay to a tenth")
     warmup_steps: int = arg(30, "learning-rate warmup steps")
     weight_decay: float = arg(0.1, "AdamW weight decay (kernels and embeddings only)")
-    clip_norm: float = arg(1.0, "scale the gradient down to this global norm when it is larger (0: no clipping)")
+    clip_norm: float = arg(
+        1.0, "scale the gradient down to this global norm when it is larger (0: no clipping)"
+    )
     seed: int = arg(0, "seed of the parameters, the dropout masks and the batch sequence")
-    dtype: str = arg("float32", "compute dtype; parameters stay float32", choices=("float32", "bfloat16"))
+    dtype: str = arg(
+        "float32", "compute dtype; parameters stay float32", choices=("float32", "bfloat16")
+    )
     attention: str = arg(
         "auto",
-        "the attention kernel: cudnn (fused, on an NVIDIA GPU in bfloat16: memory linear in --seq-len), xla "
-        "(the whole score matrix), auto (cudnn where it can run, else xla)",
+        "the attention kernel: cudnn (fused, on an NVIDIA GPU in bfloat16: memory linear in "
+        "--seq-len), xla (the whole score matrix), auto (cudnn where it can run, else xla)",
         choices=("auto", "xla", "cudnn"),
     )
-    vocab_size: int = arg(256, "tokens of the synthetic source, e.g. 50304 as GPT-2's; text is read as bytes: 256")
-    model: str = arg("gpt", "the model: gpt, or a Python file or module of your own defining Embed, Block and Head")
-    experts: int = arg(0, "mixture of experts: every block's MLP becomes this many expert MLPs and a router (0: dense)")
-    top_k: int = arg(2, "with --experts: the experts each token goes to, their outputs weighted by the router")
+    vocab_size: int = arg(
+        256, "tokens of the synthetic source, e.g. 50304 as GPT-2's; text is read as bytes: 256"
+    )
+    model: str = arg(
+        "gpt",
+        "the model: gpt, or a Python file or module of your own defining Embed, Block and Head",
+    )
+    experts: int = arg(
+        0,
+        "mixture of experts: every block's MLP becomes this many expert MLPs and a router (0: "
+        "dense)",
+    )
+    top_k: int = arg(
+        2, "with --experts: the experts each token goes to, their outputs weighted by the router"
+    )
     capacity_factor: float = arg(
-        2.0, "with --experts: an expert takes at most this times its fair share of a sequence's tokens, and the "
-        "rest of them skip it (counted as dropped); 0: no limit, no token dropped"
-    )  # fmt: skip
-    router_aux_weight: float = arg(0.01, "with --experts: weight of the load-balancing loss added to the loss")
+        2.0,
+        "with --experts: an expert takes at most this times its fair share of a sequence's "
+        "tokens, and the rest of them skip it (counted as dropped); 0: no limit, no token dropped",
+    )
+    router_aux_weight: float = arg(
+        0.01, "with --experts: weight of the load-balancing loss added to the loss"
+    )
     microbatches: int = arg(1, "gradient accumulation: sequential micro-batches per step")
     scan_layers: bool = arg(False, "run the blocks with nn.scan: one compiled block, not --layers")
-    remat: bool = arg(False, "recompute each block's activations in the backward pass instead of keeping them")
+    remat: bool = arg(
+        False, "recompute each block's activations in the backward pass instead of keeping them"
+    )
     dataset: str = arg(
-        "synthetic", "'synthetic' (embedded, no download), a text file (input.txt, read as bytes) or a TFDS text "
-        "dataset, e.g. tiny_shakespeare"
-    )  # fmt: skip
-    data_dir: str | None = arg(None, "where TFDS datasets are stored (default: TFDS's, ~/tensorflow_datasets)")
-    text_key: str = arg("text", "the TFDS dataset's text feature, e.g. text for tiny_shakespeare and lm1b")
-    tfds_manual_dir: str | None = arg(None, "already downloaded source files for preparing a TFDS dataset offline")
-    eval_every: int = arg(100, "evaluate on held-out batches every this many steps (0: never)")
-    eval_batches: int = arg(8, "held-out batches per evaluation, the same ones every time")
-    prefetch: int = arg(2, "batches made ahead in a thread while steps run (0: each made when its step comes)")
-    checkpoint_dir: str | None = arg(None, "save checkpoints here, and resume from the latest one found")
-    checkpoint_every: int = arg(100, "steps between checkpoints; the last step and SIGTERM always save")
-    keep: int = arg(3, "how many of the most recent checkpoints to keep")
-    log_every: int = arg(25, "print and record metrics every this many steps")
-    metrics_file: str | None = arg(None, "write JSON Lines metrics here: logged steps, a summary")
-    show_sharding: bool = arg(False, "before training, print every parameter's layout and bytes per device")
-    profile: str | None = arg(None, "write a jax.profiler trace of a few steps after compilation to this folder")
-    cpu_devices: int | None = arg(
-        None,
-        "emulated CPU devices per process, used when no GPU or TPU is present (default 8, or the count in "
-        "XLA_FLAGS' --xla_force_host_platform_device_count)",
+        "synthetic",
+        "'synthetic' (embedded, no download), a text file (input.txt, read as bytes) or a TFDS "
+        "text dataset, e.g. tiny_shakespeare",
     )
-    coordinator_address: str | None = arg(
-        None, "several processes: host:port of process 0, e.g. 10.0.0.1:1234 (all processes give the same)"
-    )
-    num_processes: int = arg(1, "several processes: how many, with --coordinator-address")
-    process_id: int = arg(0, "several processes: this one's index, 0 to --num-processes - 1")
-    distributed: bool = arg(False, "start JAX's distributed runtime and let it find the cluster (TPU pod, SLURM)")
-    heartbeat_timeout: int = arg(60, "several processes: seconds of silence before a process counts as dead")
-    debug_nans: bool = arg(False, "find the operation that first makes a NaN (JAX re-runs it op by op; slow)")
-    stall_timeout: int = arg(
-        600, "stop, with one line, when no step finishes for this many seconds (a stuck collective); 0: wait for ever"
-    )
-
-    def batch_shards(self) -> int:
-        """How many ways the global batch is split; scripts with a mesh override this."""
-        return jax.device_count()
-
-    def validate(self):
-        """Raise ConfigError naming the first bad flag; a script adds its own flags' checks."""
-        check_flags(self)
-        check_model(self)  # the model keeps its contract (--model)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -134,7 +132,7 @@ class Config:
 # your own (--model). What a model must offer, its contract:
 #
 #   1. Three Flax linen module classes named Embed, Block and Head, each a Piece: built as
-#      Piece(config, *hooks) (the hooks below), called as piece(x, deterministic).
+#      Piece(config, hooks) (Hooks below), called as piece(x, deterministic).
 #        Embed: tokens [batch, length] int32 -> activations [batch, length, features];
 #        Block: activations -> (activations of the same shape and dtype, sums), --layers of
 #               them in turn ((carry, output): the signature nn.scan iterates). sums is None,
@@ -148,15 +146,17 @@ class Config:
 #      name per axis, e.g. ("embed", "mlp"). fsdp.py keeps them to box its shards,
 #      logical_pjit.py maps them onto the mesh; pjit_tp.py names parameters by path instead.
 #   3. Attention goes through self.attend(q, k, v) (q, k, v [batch, length, heads, head_dim],
-#      causal) and token positions come from self.positions(length): context_parallel.py, where
-#      each device holds pieces of every sequence, passes ring attention and the positions of
-#      its pieces. A mixture of experts reaches its experts through self.to_experts, and the
-#      routing of the whole sequence through self.whole_sequence (MoeMlp).
+#      causal) and token positions come from self.positions(length): the hooks a strategy may
+#      replace (context_parallel.py, where each device holds pieces of every sequence, passes
+#      ring attention and the positions of its pieces). A mixture of experts reaches its
+#      experts through self.to_experts, and the routing of the whole sequence through
+#      self.whole_sequence (MoeMlp).
 #   4. No parameter is shared between pieces (pipeline.py places them on different devices):
 #      an untied head. Randomness only from Flax's 'dropout' rng (nn.Dropout).
 #
-# check_model tests all of this before anything is compiled, in one line per breach. Activations
-# carry logical constraints (nn.with_logical_constraint), inert unless a script installs rules.
+# check_model (below the banner) tests all of this before anything is compiled, in one line per
+# breach. Activations carry logical constraints (nn.with_logical_constraint), inert unless a
+# script installs rules.
 # ----------------------------------------------------------------------------------------------
 
 
@@ -203,32 +203,9 @@ def sequence_positions(length: int):
 def causal_attention(q, k, v, implementation="xla"):
     """Softmax attention of each position to itself and those before it. q, k, v: [batch,
     length, heads, head_dim]; the scores and the softmax in float32 whatever the dtype of q.
-    (context_parallel.py passes ring attention instead.)"""
+    `implementation`: jax.nn.dot_product_attention's kernel (--attention picks it). (context_
+    parallel.py passes ring attention instead.)"""
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
-
-
-def attention_kernel(config: Config) -> str:
-    """--attention as jax.nn.dot_product_attention's `implementation`; 'auto' is cuDNN's fused
-    kernel, which never builds the [length, length] scores, wherever it can run. (JAX's own
-    default is always 'xla'.)"""
-    if config.attention != "auto":
-        return config.attention
-    return "xla" if why_not_cudnn(config) else "cudnn"
-
-
-def why_not_cudnn(config: Config) -> str | None:
-    """Why cuDNN's fused attention cannot run this model here, or None: it runs on NVIDIA GPUs,
-    in bfloat16 (or float16), for heads of up to 128 units in steps of 8."""
-    kind, head_dim = jax.devices()[0].device_kind, config.d_model // max(1, config.heads)
-    if "nvidia" not in kind.lower():
-        return f"needs an NVIDIA GPU, not {kind}: e.g. --attention auto"
-    if config.dtype != "bfloat16":
-        return "computes in bfloat16 only, e.g. --dtype bfloat16"
-    if head_dim % 8 or head_dim > 128:
-        return (
-            f"takes heads of 8 to 128 units in steps of 8, not {head_dim}: e.g. --heads {max(1, config.d_model // 64)}"
-        )
-    return None
 
 
 def this_sequence(x):
@@ -245,14 +222,42 @@ def experts_here(experts, x):
     return experts(x)
 
 
-class Piece(nn.Module):
-    """What each piece of a model is built with (the contract above)."""
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+    """What a strategy may replace inside a model, in one value; one device's by default. A
+    strategy passes Hooks(...) with the fields it replaces (context_parallel.py: attend,
+    positions, whole_sequence; expert_parallel.py: to_experts), and every piece gets them."""
 
-    config: Config
-    attend: Callable = causal_attention
-    positions: Callable = sequence_positions
-    to_experts: Callable = experts_here
-    whole_sequence: Callable = this_sequence
+    attend: Callable = causal_attention  # q, k, v -> causal attention's output
+    positions: Callable = (
+        sequence_positions  # the number of this device's tokens -> their positions
+    )
+    to_experts: Callable = experts_here  # (the experts, their slots) -> their outputs
+    whole_sequence: Callable = this_sequence  # something of this device's tokens -> the sequences'
+
+
+class Piece(nn.Module):
+    """What each piece of a model is built with (the contract above): the config and the hooks,
+    which a piece reaches as self.attend, self.positions, self.to_experts, self.whole_sequence."""
+
+    config: TrainingConfig
+    hooks: Hooks = Hooks()
+
+    @property
+    def attend(self):
+        return self.hooks.attend
+
+    @property
+    def positions(self):
+        return self.hooks.positions
+
+    @property
+    def to_experts(self):
+        return self.hooks.to_experts
+
+    @property
+    def whole_sequence(self):
+        return self.hooks.whole_sequence
 
 
 class Embed(Piece):
@@ -268,7 +273,7 @@ class Embed(Piece):
 
 
 class Attention(nn.Module):
-    config: Config
+    config: TrainingConfig
     attend: Callable = causal_attention
 
     @nn.compact
@@ -282,14 +287,19 @@ class Attention(nn.Module):
         # ignores, so its gradient is zero and Adam would only turn rounding noise into updates.
         qkv = _dense(c, 3 * c.d_model, ("embed", "heads"), "qkv", use_bias=False)(x)
         q, k, v = jnp.split(qkv.reshape(*x.shape[:-1], c.heads, 3, -1), 3, axis=-2)
-        q, k, v = (nn.with_logical_constraint(t.squeeze(-2), ("batch", "length", "act_heads", None)) for t in (q, k, v))
+        q, k, v = (
+            nn.with_logical_constraint(t.squeeze(-2), ("batch", "length", "act_heads", None))
+            for t in (q, k, v)
+        )
         x = self.attend(q, k, v)
-        x = _dense(c, c.d_model, ("heads", "embed"), "out", _residual_scale(c))(x.reshape(*x.shape[:-2], -1))
+        x = _dense(c, c.d_model, ("heads", "embed"), "out", _residual_scale(c))(
+            x.reshape(*x.shape[:-2], -1)
+        )
         return nn.Dropout(c.dropout)(x, deterministic=deterministic)
 
 
 class Mlp(nn.Module):
-    config: Config
+    config: TrainingConfig
 
     @nn.compact
     def __call__(self, x, deterministic):
@@ -300,97 +310,15 @@ class Mlp(nn.Module):
         return nn.Dropout(c.dropout)(x, deterministic=deterministic)
 
 
-def capacity(config: Config, length: int) -> int:
-    """Slots per expert per sequence: --capacity-factor times its fair share of the sequence's
-    length x top-k choices, and never more than the length (then no token can be dropped)."""
-    fair = length * config.top_k / config.experts
-    return length if not config.capacity_factor else min(length, math.ceil(config.capacity_factor * fair))
-
-
-class ExpertDense(nn.Module):
-    """A Dense layer per expert, side by side: [experts, ..., in] -> [experts, ..., features]."""
-
-    config: Config
-    features: int
-    names: tuple  # the logical names of one expert's kernel
-    scale: float = 1.0
-
-    @nn.compact
-    def __call__(self, x):
-        # As many experts as x brings: all of them, or a device's own (expert_parallel.py).
-        experts = x.shape[0]
-        kernel = self.param("kernel", _init(("expert", *self.names), self.scale), (experts, x.shape[-1], self.features))
-        bias = self.param("bias", _zeros(("expert", self.names[-1])), (experts, self.features))
-        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.config.dtype)
-        return jnp.einsum("e...d,edf->e...f", x, kernel) + bias.reshape(bias.shape[0], *[1] * (x.ndim - 2), -1)
-
-
-class MoeMlp(nn.Module):
-    """A mixture of --experts MLPs (GShard, Switch): a router sends each token to its --top-k
-    experts, whose outputs, weighted by the router's probabilities, are summed.
-
-    Routing is decided per whole sequence, so it is the same computation however the batch is
-    split: each expert takes at most `capacity` of a sequence's tokens (first choices first,
-    then in order), the rest of its tokens skip it, counted as dropped. Tokens reach their
-    experts as a fixed-size buffer [experts, rows, capacity, features] (one-hot dispatch, as in
-    GShard), which `to_experts` runs. Also returns sums over the rows: the load-balancing loss,
-    tokens per expert and tokens dropped (see Block)."""
-
-    config: Config
-    to_experts: Callable = experts_here
-    positions: Callable = sequence_positions
-    whole_sequence: Callable = this_sequence
-
-    @nn.compact
-    def __call__(self, x, deterministic):
-        c = self.config
-        rows, length, _ = x.shape
-        # The router works in float32: which expert a token goes to must not hang on rounding.
-        router = nn.Dense(
-            c.experts, use_bias=False, dtype=jnp.float32, kernel_init=_init(("embed", None)), name="router"
-        )
-        probs = jax.nn.softmax(router(x.astype(jnp.float32)))  # [rows, length, experts]
-        gate, expert = jax.lax.top_k(probs, c.top_k)  # [rows, length, k]
-        gate = gate / gate.sum(-1, keepdims=True)
-        chosen = jax.nn.one_hot(expert, c.experts)  # [rows, length, k, experts]
-        # A token's slot in its expert: first choices of the whole sequence come first, then
-        # second choices, each in order along the sequence. Slots past `slots` are dropped:
-        # one_hot gives them no slot at all. (Every token's choices, in sequence order.)
-        mine = self.positions(length)
-        everyone, gathered = self.whole_sequence(mine[None])[0], self.whole_sequence(chosen)
-        choices = jnp.zeros_like(gathered).at[:, everyone].set(gathered)
-        whole, slots = choices.shape[1], capacity(c, choices.shape[1])
-        order = choices.swapaxes(1, 2).reshape(rows, c.top_k * whole, c.experts)
-        taken = (jnp.cumsum(order, axis=1) - 1).reshape(rows, c.top_k, whole, c.experts).swapaxes(1, 2)[:, mine]
-        slot = jax.nn.one_hot(jnp.sum(taken * chosen, -1).astype(jnp.int32), slots)  # [rows, length, k, slots]
-        dispatch = jnp.einsum("blke,blks->bles", chosen, slot)
-        combine = jnp.einsum("blke,blks->bles", chosen * gate[..., None], slot)
-        fc1 = ExpertDense(c, 4 * c.d_model, ("embed", "mlp"), name="fc1")
-        fc2 = ExpertDense(c, c.d_model, ("mlp", "embed"), _residual_scale(c), name="fc2")
-        tokens = jnp.einsum("bles,bld->ebsd", dispatch.astype(x.dtype), x)
-        out = self.to_experts(lambda t: fc2(nn.gelu(fc1(t))), tokens)
-        x = jnp.einsum("ebsd,bles->bld", out, combine.astype(out.dtype))
-        # Load balance (Switch Transformer, eq. 4, per sequence): experts x sum over experts of
-        # (share of the sequence's choices it got) x (its mean router probability); 1 when even.
-        # Counted once per token, so that it adds up like the cross-entropy.
-        balance = c.experts * jnp.sum(choices.mean((1, 2)) * self.whole_sequence(probs).mean(1), -1)
-        per_expert = dispatch.sum((0, 1, 3))
-        stats = {
-            "aux_loss_sum": c.router_aux_weight * length * balance.sum(),
-            "expert_tokens": per_expert,
-            "dropped_tokens": rows * length * c.top_k - per_expert.sum(),
-        }
-        return nn.Dropout(c.dropout)(x, deterministic=deterministic), stats
-
-
 class Block(Piece):
     @nn.compact
     def __call__(self, x, deterministic):
-        x = x + Attention(self.config, self.attend, name="attn")(_layer_norm(self.config, "ln1")(x), deterministic)
+        x = x + Attention(self.config, self.attend, name="attn")(
+            _layer_norm(self.config, "ln1")(x), deterministic
+        )
         h = _layer_norm(self.config, "ln2")(x)
         if self.config.experts:
-            moe = MoeMlp(self.config, self.to_experts, self.positions, self.whole_sequence, name="mlp")
-            h, stats = moe(h, deterministic)
+            h, stats = MoeMlp(self.config, self.hooks, name="mlp")(h, deterministic)
         else:
             h, stats = Mlp(self.config, name="mlp")(h, deterministic), None
         x = nn.with_logical_constraint(x + h, ("batch", "length", "act_embed"))
@@ -401,9 +329,13 @@ class Head(Piece):
     @nn.compact
     def __call__(self, x, deterministic):  # the signature of every piece, so one wrap fits all
         x = _layer_norm(self.config, "ln_f")(x)
-        logits = _dense(self.config, self.config.vocab_size, ("embed", "vocab"), "out", use_bias=False)(x)
+        logits = _dense(
+            self.config, self.config.vocab_size, ("embed", "vocab"), "out", use_bias=False
+        )(x)
         # The loss is computed in float32 whatever the compute dtype.
-        return nn.with_logical_constraint(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
+        return nn.with_logical_constraint(
+            logits.astype(jnp.float32), ("batch", "length", "act_vocab")
+        )
 
 
 class Pieces(typing.NamedTuple):
@@ -413,47 +345,6 @@ class Pieces(typing.NamedTuple):
 
 
 GPT = Pieces(Embed, Block, Head)
-MODELS = {"gpt": GPT}  # --model's built-in names
-
-
-@functools.cache
-def model_pieces(name: str) -> Pieces:
-    """The pieces --model names: a built-in model, a Python file (my_model.py) or an importable
-    module (my_project.model) that defines Embed, Block and Head."""
-    if name in MODELS:
-        return MODELS[name]
-    import importlib
-    import importlib.util
-
-    where = f"--model {name}"
-    try:
-        if name.endswith(".py"):
-            require(os.path.isfile(name), "model", f"{name} is not a file; give a Python file or module that "
-                    f"defines Embed, Block and Head, or one of {', '.join(MODELS)}")  # fmt: skip
-            spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], name)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules.setdefault(spec.name, module)
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(name)
-    except ModuleNotFoundError as error:
-        if error.name and name.startswith(error.name):
-            raise ConfigError(f"{where}: no such model, Python file or module; built in: {', '.join(MODELS)}") from None
-        raise
-    missing = [piece for piece in Pieces._fields if not isinstance(getattr(module, piece, None), type)]
-    require(not missing, "model", f"{name} defines no {', '.join(missing)}: a model is three Flax modules named Embed, "
-            "Block and Head (common.py's model contract; README: Your own model and data)")  # fmt: skip
-    pieces = Pieces(*(getattr(module, piece) for piece in Pieces._fields))
-    hooks = [f.name for f in dataclasses.fields(Piece) if f.name not in ("parent", "name")]
-    for piece in pieces:
-        fields = {f.name for f in dataclasses.fields(piece)} if dataclasses.is_dataclass(piece) else set()
-        require(
-            issubclass(piece, nn.Module) and set(hooks) <= fields,
-            "model",
-            f"{name}: {piece.__name__} is not a common.Piece: subclass it, so that it is built as "
-            f"{piece.__name__}({', '.join(hooks)}) (common.py's model contract)",
-        )
-    return pieces
 
 
 def unwrapped(module_class):
@@ -465,25 +356,18 @@ class Model(nn.Module):
     logits and what the blocks report, added up over the blocks ({} for the dense GPT).
 
     `wrap` is applied to each piece's class before the piece is built; fsdp.py passes one that
-    all-gathers a piece's parameters just before it runs. `attend`, `positions`, `to_experts`
-    and `whole_sequence` go to every piece: context_parallel.py, where each device holds pieces
-    of every sequence, passes its own attention, positions and a gather of the pieces;
-    expert_parallel.py its way to the experts.
+    all-gathers a piece's parameters just before it runs. `hooks` go to every piece (Hooks).
     """
 
-    config: Config
+    config: TrainingConfig
     pieces: Pieces = GPT
     wrap: Callable[[type], type] = unwrapped
-    attend: Callable = causal_attention
-    positions: Callable = sequence_positions
-    to_experts: Callable = experts_here
-    whole_sequence: Callable = this_sequence
+    hooks: Hooks = Hooks()
 
     @nn.compact
     def __call__(self, tokens, deterministic: bool = True):
-        c, (embed, block, head) = self.config, self.pieces
-        hooks = (self.attend, self.positions, self.to_experts, self.whole_sequence)
-        x = self.wrap(embed)(c, *hooks, name="embed")(tokens, deterministic)
+        c, (embed, block, head), hooks = self.config, self.pieces, self.hooks
+        x = self.wrap(embed)(c, hooks, name="embed")(tokens, deterministic)
         block = self.wrap(block)
         if c.remat:  # keep only each block's input; the backward pass runs the block again
             block = nn.remat(block, static_argnums=(2,))
@@ -496,30 +380,14 @@ class Model(nn.Module):
                 length=c.layers,
                 metadata_params={nn.PARTITION_NAME: "layers"},
             )
-            x, stats = blocks(c, *hooks, name="blocks")(x, deterministic)
+            x, stats = blocks(c, hooks, name="blocks")(x, deterministic)
             stats = jax.tree.map(lambda s: s.sum(0), stats)
         else:
             stats = None
             for i in range(c.layers):
-                x, more = block(c, *hooks, name=f"block_{i}")(x, deterministic)
+                x, more = block(c, hooks, name=f"block_{i}")(x, deterministic)
                 stats = more if stats is None else jax.tree.map(jnp.add, stats, more)
-        return self.wrap(head)(c, *hooks, name="head")(x, deterministic), stats or {}
-
-
-# Cached, one model per config and wrap: the TrainState holds the model's apply method in its
-# tree structure, and a state worked out on shapes (to compile for) must match the real one.
-@functools.cache
-def make_model(
-    config: Config,
-    wrap: Callable[[type], type] = unwrapped,
-    attend: Callable | None = None,
-    positions: Callable = sequence_positions,
-    to_experts: Callable = experts_here,
-    whole_sequence: Callable = this_sequence,
-) -> Model:
-    """The configured model; `attend` None: causal_attention with --attention's kernel."""
-    attend = attend or functools.partial(causal_attention, implementation=attention_kernel(config))
-    return Model(config, model_pieces(config.model), wrap, attend, positions, to_experts, whole_sequence)
+        return self.wrap(head)(c, hooks, name="head")(x, deterministic), stats or {}
 
 
 def init_params(model: Model, rng):
@@ -538,359 +406,14 @@ def init_params(model: Model, rng):
             names = ("layers",) + boxes[0].names
             return boxes[0].replace(value=jnp.stack([b.value for b in boxes]), names=names)
 
-        params["blocks"] = jax.tree.map(stack, *blocks, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+        params["blocks"] = jax.tree.map(
+            stack, *blocks, is_leaf=lambda x: isinstance(x, nn.Partitioned)
+        )
     return params
 
 
-def check_model(config: Config):
-    """The model contract, checked piece by piece on shapes alone (nothing is computed or
-    compiled): ConfigError naming the piece or parameter that breaks it, and what to do."""
-    pieces = model_pieces(config.model)
-    tokens = jax.ShapeDtypeStruct((2, config.seq_len), jnp.int32)
-    where = f"--model {config.model}:"
-    contract = "(common.py's model contract; README: Your own model and data)"
-
-    def build(piece, x):
-        # The random key is made inside eval_shape too: made outside, it would be computed (compiled).
-        out, variables = jax.eval_shape(lambda x: piece(config).init_with_output(jax.random.key(0), x, True), x)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(variables.get("params", {}), is_leaf=_is_boxed):
-            name = f"{piece.__name__}'s parameter {jax.tree_util.keystr(path, simple=True, separator='/')}"
-            if not isinstance(leaf, nn.LogicallyPartitioned):
-                raise ConfigError(f"{where} {name} has no logical axis names: declare it with "
-                                  f"nn.with_logical_partitioning(init, names) {contract}")  # fmt: skip
-            if len(leaf.names) != len(leaf.value.shape):
-                raise ConfigError(f"{where} {name} has {len(leaf.value.shape)} axes but names {leaf.names}: one "
-                                  f"name per axis {contract}")  # fmt: skip
-        return out
-
-    x = build(pieces.Embed, tokens)
-    if not (isinstance(x, jax.ShapeDtypeStruct) and x.ndim == 3 and x.shape[:2] == tokens.shape):
-        raise ConfigError(f"{where} Embed returns {_shape_text(x)} for tokens {_shape_text(tokens)}; it must return "
-                          f"activations [batch, length, features] {contract}")  # fmt: skip
-    out = build(pieces.Block, x)
-    sums = out[1] if isinstance(out, tuple) and len(out) == 2 else None
-    if not (
-        isinstance(out, tuple) and len(out) == 2 and _shape_text(out[0]) == _shape_text(x)
-        and (sums is None or isinstance(sums, dict) and all(s.dtype == jnp.float32 for s in jax.tree.leaves(sums)))
-    ):  # fmt: skip
-        raise ConfigError(f"{where} Block returns {_shape_text(out)} for activations {_shape_text(x)}; it must "
-                          f"return (activations of the same shape and dtype, None or a dict of float32 sums) "
-                          f"{contract}")  # fmt: skip
-    logits = build(pieces.Head, x)
-    wanted = jax.ShapeDtypeStruct((*tokens.shape, config.vocab_size), jnp.float32)
-    if _shape_text(logits) != _shape_text(wanted):
-        raise ConfigError(f"{where} Head returns {_shape_text(logits)}; it must return float32 logits "
-                          f"{_shape_text(wanted)} (batch, length, --vocab-size) {contract}")  # fmt: skip
-
-
-def logical_names(config: Config) -> list:
-    """(path, box) of every parameter, its box holding the logical names of its axes."""
-    boxed = jax.eval_shape(lambda: init_params(make_model(config), jax.random.key(0)))
-    leaves = jax.tree_util.tree_leaves_with_path(boxed, is_leaf=_is_boxed)
-    return [(jax.tree_util.keystr(path, simple=True, separator="/"), box) for path, box in leaves]
-
-
-def _is_boxed(x):
-    return isinstance(x, nn.meta.AxisMetadata)
-
-
-def _shape_text(x) -> str:
-    if isinstance(x, tuple):
-        return "(" + ", ".join(map(_shape_text, x)) + ")"
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return f"{x.dtype}{list(x.shape)}"
-    return repr(x)
-
-
 # ----------------------------------------------------------------------------------------------
-# Data: the global batch of step k depends only on (seed, k), so any number of devices or
-# processes, or a resumed run, sees the same tokens.
-# ----------------------------------------------------------------------------------------------
-
-
-SPLITS = {"train": 0, "eval": 1}  # each split draws from its own random streams
-
-
-class SyntheticData:
-    """A sparse random Markov chain over `vocab` tokens, fixed by its own seed.
-
-    Each token has `branching` possible successors with random probabilities. The best possible
-    loss is the chain's entropy rate, sum_s pi(s) H(next | s), which is printed so a run can be
-    judged against it. Sequences start from the stationary distribution pi, so every predicted
-    position has exactly that expected loss at best.
-    """
-
-    def __init__(self, seed: int, seq_len: int, vocab: int = 256, branching: int = 4, source_seed: int = 1234):
-        self.seed, self.seq_len, self.vocab = seed, seq_len, vocab
-        rng = np.random.default_rng(source_seed)
-        # Token s can always go to following[s], the next token on one random cycle through all
-        # tokens: so every token is reachable from every other, and the chain has one
-        # stationary distribution.
-        cycle = rng.permutation(vocab)
-        following = np.empty(vocab, np.int64)
-        following[cycle] = np.roll(cycle, -1)
-        small = vocab <= 2048  # a dense transition matrix fits: the exact construction
-        self.successors = np.empty((vocab, branching), np.int64)
-        if small:
-            for s in range(vocab):
-                others = np.delete(np.arange(vocab), following[s])
-                self.successors[s] = [following[s], *rng.choice(others, branching - 1, replace=False)]
-        else:  # the same distribution, drawn for all tokens at once
-            self.successors[:, 0] = following
-            while True:
-                others = rng.integers(0, vocab - 1, size=(vocab, branching - 1))
-                others += others >= following[:, None]  # skip following[s]
-                if all(len(set(row)) == branching - 1 for row in others):
-                    break
-            self.successors[:, 1:] = others
-        probs = rng.dirichlet(np.ones(branching), size=vocab)
-        self.cumulative = np.cumsum(probs, axis=1)
-        if small:  # pi: the left eigenvector of the transition matrix with eigenvalue 1
-            transition = np.zeros((vocab, vocab))
-            np.put_along_axis(transition, self.successors, probs, axis=1)
-            eigenvalues, eigenvectors = np.linalg.eig(transition.T)
-            pi = np.real(eigenvectors[:, np.argmin(np.abs(eigenvalues - 1))])
-        else:  # the same by power iteration on the sparse chain (made lazy, so it converges)
-            pi = np.full(vocab, 1 / vocab)
-            for _ in range(100_000):
-                moved = np.zeros(vocab)
-                np.add.at(moved, self.successors, pi[:, None] * probs)
-                pi, change = (pi + moved) / 2, np.abs(moved - pi).sum()
-                if change < 1e-12:
-                    break
-        self.stationary = np.cumsum(pi / pi.sum())
-        self.walk_tables = None  # the chain on the host's CPU device, for _markov_walk
-        self.loss_floor = float(-(pi / pi.sum()) @ np.sum(probs * np.log(probs), axis=1))
-
-    def describe(self) -> str:
-        return f"synthetic Markov source, loss floor {self.loss_floor:.4f} (its entropy rate)"
-
-    def batch(self, step: int, start: int, stop: int, split: str = "train") -> np.ndarray:
-        """Rows [start, stop) of batch `step` of a split ('train' or 'eval'): int32 [rows, seq_len + 1]."""
-        # One generator per (seed, split, step, row): any slice of a batch can be made on its own.
-        # Uniforms u = k / 2**53 from integers k < 2**53 (numpy's Generator.random() exactly).
-        k = np.stack(
-            [
-                np.random.PCG64((self.seed, SPLITS[split], step, row)).random_raw(self.seq_len + 1) >> 11
-                for row in range(start, stop)
-            ]
-        ).astype(np.int64)
-        first = np.minimum(np.searchsorted(self.stationary, k[:, 0] * 2.0**-53), self.vocab - 1)
-        # Then token t + 1 is successors[s, j] for the first j with u[t + 1] <= cumulative[s, j], s
-        # token t. The walk is sequential, so it runs as one compiled loop, not a Python one (8 x
-        # 1,024 tokens: 9.3 -> 0.6 ms), in exact integers: u > c exactly when k > floor(c * 2**53).
-        # Both halved into 32 bits, so JAX needs no 64-bit types: the tokens are numpy's, bit for bit.
-        if self.walk_tables is None:  # made here, not in __init__: devices may not be started then
-            bounds = np.floor(self.cumulative * 2.0**53).astype(np.int64)
-            self.walk_tables = jax.device_put(
-                (_high(bounds), _low(bounds), self.successors.astype(np.int32)), jax.local_devices(backend="cpu")[0]
-            )
-        walked = _markov_walk(first.astype(np.int32), _high(k[:, 1:].T), _low(k[:, 1:].T), *self.walk_tables)
-        return np.concatenate([first[:, None], np.asarray(walked).T], axis=1).astype(np.int32)
-
-
-def _high(k):
-    return (k >> 32).astype(np.int32)
-
-
-def _low(k):
-    return (k & 0xFFFFFFFF).astype(np.uint32)
-
-
-@jax.jit
-def _markov_walk(first, k_high, k_low, bound_high, bound_low, successors):
-    """SyntheticData's walk: tokens [positions, rows] after `first` [rows]."""
-
-    def next_token(token, k):
-        high, low = k[0][:, None], k[1][:, None]
-        above = (high > bound_high[token]) | ((high == bound_high[token]) & (low > bound_low[token]))
-        choice = jnp.minimum(above.sum(axis=1), successors.shape[1] - 1)  # [rows]
-        token = jnp.take_along_axis(successors[token], choice[:, None], axis=1)[:, 0]
-        return token, token
-
-    return jax.lax.scan(next_token, first, (k_high, k_low), unroll=4)[1]
-
-
-class TextData:
-    """A TFDS dataset's text feature, read as raw bytes: vocabulary 256, nothing to download.
-
-    Read through tfds.data_source (array_record files, random access, no TensorFlow). Each row
-    of a batch is a window of seq_len + 1 bytes at a place drawn from (seed, split, step, row),
-    so a run is reproducible, a resumed run sees the same data and each process reads only
-    its own rows. Records shorter than a window continue into the next ones, after a newline.
-    """
-
-    loss_floor = None  # unknown for real text
-
-    def __init__(self, config: Config, builder):
-        import tensorflow_datasets as tfds
-
-        self.seed, self.seq_len, self.key, self.cache = config.seed, config.seq_len, config.text_key, {}
-        eval_split = "validation" if "validation" in builder.info.splits else "test"
-        self.splits = {"train": "train", "eval": eval_split}
-        self.sources = {
-            split: tfds.data_source(config.dataset, split=name, data_dir=config.data_dir, download=False)
-            for split, name in self.splits.items()
-        }
-        for split, source in self.sources.items():  # padding alone teaches nothing: refuse it
-            require(
-                any(len(self.text(split, record)) for record in range(len(source))),
-                "dataset",
-                f"{config.dataset} has no text in '{self.key}' of its '{self.splits[split]}' split: every record is "
-                f"empty; give a dataset with text, or its text feature with --text-key",
-            )
-        self.describe_text = f"TFDS {builder.info.full_name} '{self.key}' as bytes, held out: '{eval_split}'"
-
-    def describe(self) -> str:
-        return self.describe_text
-
-    def text(self, split: str, record: int) -> bytes:
-        if (split, record) not in self.cache:
-            if len(self.cache) > 256:
-                self.cache.clear()
-            self.cache[split, record] = self.sources[split][record][self.key]
-        return self.cache[split, record]
-
-    def batch(self, step: int, start: int, stop: int, split: str = "train") -> np.ndarray:
-        """Rows [start, stop) of batch `step` of a split ('train' or 'eval'): int32 [rows, seq_len + 1]."""
-        rows = []
-        for row in range(start, stop):
-            rng = np.random.default_rng((self.seed, SPLITS[split], step, row))
-            record = int(rng.integers(len(self.sources[split])))
-            text = self.text(split, record)
-            offset = int(rng.integers(max(1, len(text) - self.seq_len)))
-            window = text[offset : offset + self.seq_len + 1]
-            while len(window) < self.seq_len + 1:
-                record = (record + 1) % len(self.sources[split])
-                window += b"\n" + self.text(split, record)
-            rows.append(np.frombuffer(window[: self.seq_len + 1], np.uint8))
-        return np.stack(rows).astype(np.int32)
-
-
-class TextFile:
-    """A local text file read as bytes (vocabulary 256), like nanoGPT's shakespeare_char: its
-    first 90% to train on, the rest held out. Each row of a batch is a window of seq_len + 1
-    bytes at a place drawn from (seed, split, step, row), as in TextData."""
-
-    loss_floor = None  # unknown for real text
-
-    def __init__(self, config: Config):
-        self.seed, self.seq_len, path = config.seed, config.seq_len, config.dataset
-        require(os.path.isfile(path), "dataset", f"{path} is not a file, e.g. --dataset input.txt")
-        data = np.fromfile(path, np.uint8)
-        cut = len(data) * 9 // 10
-        self.splits = {"train": data[:cut], "eval": data[cut:]}
-        shortest = min(len(text) for text in self.splits.values())
-        require(
-            shortest > self.seq_len,
-            "dataset",
-            f"{path} is too short: its held-out tenth has {shortest} bytes, fewer than --seq-len + 1; give a file of "
-            f"at least {10 * (self.seq_len + 1):,} bytes, or a smaller --seq-len",
-        )
-        self.describe_text = f"{path} as bytes, {len(data):,} of them, the last tenth held out"
-
-    def describe(self) -> str:
-        return self.describe_text
-
-    def batch(self, step: int, start: int, stop: int, split: str = "train") -> np.ndarray:
-        """Rows [start, stop) of batch `step` of a split ('train' or 'eval'): int32 [rows, seq_len + 1]."""
-        text = self.splits[split]
-        places = [
-            np.random.default_rng((self.seed, SPLITS[split], step, row)).integers(len(text) - self.seq_len)
-            for row in range(start, stop)
-        ]
-        return np.stack([text[place : place + self.seq_len + 1] for place in places]).astype(np.int32)
-
-
-def is_text_file(dataset: str) -> bool:
-    return dataset.endswith(".txt") or os.sep in dataset or os.path.isfile(dataset)
-
-
-# Your own data plugs in here: an object with describe(), loss_floor (None if unknown) and
-# batch(step, start, stop, split), which returns rows [start, stop) of global batch `step` as
-# int32 tokens [rows, seq_len + 1], the same rows for the same arguments on any process.
-@functools.cache  # one dataset per config: setup() opens it to check it, main() reads it
-def load_dataset(config: Config):
-    if config.dataset == "synthetic":
-        return SyntheticData(config.seed, config.seq_len, config.vocab_size)
-    if is_text_file(config.dataset):
-        return TextFile(config)
-    return TextData(config, _tfds_builder(config))
-
-
-def process_rows(batch_size: int, process: int, processes: int) -> range:
-    """The rows of the global batch that one process builds: an equal contiguous share."""
-    rows = batch_size // processes
-    return range(process * rows, (process + 1) * rows)
-
-
-def host_batch(dataset, config: Config, step: int, split: str = "train") -> np.ndarray:
-    """This process's share of a global batch; no process builds the whole batch."""
-    rows = process_rows(config.batch_size, jax.process_index(), jax.process_count())
-    return dataset.batch(step, rows.start, rows.stop, split)
-
-
-def eval_batches(dataset, config: Config) -> list:
-    """This process's share of the held-out batches: the same ones at every evaluation; none
-    when the run never evaluates."""
-    if not config.eval_every:
-        return []
-    return [host_batch(dataset, config, i, "eval") for i in range(config.eval_batches)]
-
-
-def train_batches(dataset, config: Config, start: int, log: "Logger"):
-    """(step, this process's share of batch `step`) for the steps from `start` to --steps, made
-    --prefetch batches ahead in a thread while the steps run, so the loop does not wait for the
-    host (a batch depends only on its step: which thread makes it changes nothing). The time the
-    loop still waits for each batch goes into log.data_seconds."""
-    steps = range(start, config.steps)
-    if not config.prefetch:
-        made = ((step, host_batch(dataset, config, step)) for step in steps)
-    else:
-        ready, stopped = queue.Queue(config.prefetch), threading.Event()
-
-        def make():
-            for step in steps:
-                try:
-                    item = (step, host_batch(dataset, config, step))
-                except BaseException as error:  # raised in the loop instead, where the run handles it
-                    item = (step, error)
-                while not stopped.is_set():
-                    try:
-                        ready.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stopped.is_set() or isinstance(item[1], BaseException):
-                    return
-
-        thread = threading.Thread(target=make, name="prefetch", daemon=True)
-        thread.start()
-        made = (ready.get() for _ in steps)
-    try:
-        while True:
-            began = time.perf_counter()
-            step, rows = next(made, (None, None))
-            if step is None:
-                return
-            log.data_seconds.append(time.perf_counter() - began)
-            if isinstance(rows, BaseException):
-                raise rows
-            yield step, rows
-    finally:  # the loop ended, or stopped early (Ctrl-C, an error): the thread stops too
-        if config.prefetch:
-            stopped.set()
-            thread.join(timeout=10)  # at most one batch being made, unless reading it hangs
-
-
-def batch_shape(config: Config, sharding) -> jax.ShapeDtypeStruct:
-    """The global batch's shape, laid out by `sharding`, without building it: what the train
-    step is compiled for before any data exists."""
-    return jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32, sharding=sharding)
-
-
-# ----------------------------------------------------------------------------------------------
-# Train state, optimizer, loss and gradient accumulation
+# Train state, optimizer, clipping, loss and gradient accumulation
 # ----------------------------------------------------------------------------------------------
 
 
@@ -904,39 +427,20 @@ def _leaf_name(path) -> str:
 
 def decay_mask(params):
     """Weight decay for kernels and embeddings; never for LayerNorm parameters or biases."""
-    return jax.tree_util.tree_map_with_path(lambda path, _: _leaf_name(path) in ("kernel", "embedding"), params)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: _leaf_name(path) in ("kernel", "embedding"), params
+    )
 
 
-class ClipState(typing.NamedTuple):
-    norm: jax.Array  # the global norm of the last gradient, before clipping: logged as grad_norm
-
-
-def clip_by_global_norm(max_norm: float, global_norm: Callable) -> optax.GradientTransformation:
-    """optax.clip_by_global_norm, with the norm taken by `global_norm` and kept in the state.
-
-    The norm is over the whole model. Where a script holds only pieces of the gradient on each
-    device (fsdp.py's shards), it passes a `global_norm` that adds up the pieces' sums of squares
-    across the devices; max_norm 0 only measures."""
-
-    def update(updates, state, params=None):
-        norm = global_norm(updates)
-        if max_norm:
-            clipped = jax.tree.map(lambda g: (g / norm * max_norm).astype(g.dtype), updates)
-            updates = jax.tree.map(lambda g, c: jnp.where(norm < max_norm, g, c), updates, clipped)
-        return updates, ClipState(norm)
-
-    return optax.GradientTransformation(lambda params: ClipState(jnp.zeros((), jnp.float32)), update)
-
-
-ADAM = {"b1": 0.9, "b2": 0.95, "eps": 1e-8}  # AdamW's moment decays and the epsilon of its denominator
+ADAM = {"b1": 0.9, "b2": 0.95, "eps": 1e-8}  # AdamW's moment decays and its denominator's epsilon
 
 
 # Cached, one optimizer per config: the optimizer is part of the TrainState's tree structure,
 # and shardings worked out on an abstract state must fit the real state.
 @functools.cache
-def make_optimizer(config: Config, global_norm: Callable = optax.tree.norm):
-    # AdamW is elementwise, which is what lets fsdp.py update each device's shard on its own;
-    # clipping by the global norm is not, which is why `global_norm` is the script's to give.
+def make_optimizer(config: TrainingConfig):
+    """AdamW, its learning rate warmed up linearly and then decayed to a tenth along a cosine.
+    AdamW is elementwise, which is what lets fsdp.py update each device's shard on its own."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=config.lr,
@@ -944,30 +448,31 @@ def make_optimizer(config: Config, global_norm: Callable = optax.tree.norm):
         decay_steps=max(config.steps, config.warmup_steps + 1),
         end_value=config.lr / 10,
     )
-    return optax.chain(
-        clip_by_global_norm(config.clip_norm, global_norm),
-        optax.adamw(schedule, **ADAM, weight_decay=config.weight_decay, mask=decay_mask),
-    )
+    return optax.adamw(schedule, **ADAM, weight_decay=config.weight_decay, mask=decay_mask)
 
 
-def create_state(
-    config: Config, model: Model, params_fn: Callable = nn.unbox, global_norm: Callable = optax.tree.norm
-) -> TrainState:
-    """The initial TrainState. `params_fn` maps the logically boxed parameters to what the
-    optimizer and the model will hold: plain arrays by default; fsdp.py boxes them anew.
-    `global_norm` takes the norm that clipping uses (see clip_by_global_norm)."""
+def create_state(config: TrainingConfig, model: Model, hold: Callable = nn.unbox) -> TrainState:
+    """The initial TrainState. `hold` turns the parameters, boxed with their logical names, into
+    what the model and the optimizer hold: plain arrays by default; fsdp.py boxes its shards
+    anew, pipeline.py stacks the blocks."""
     init_rng, dropout_rng = jax.random.split(jax.random.key(config.seed))
     return TrainState.create(
         apply_fn=model.apply,
-        params=params_fn(init_params(model, init_rng)),
-        tx=make_optimizer(config, global_norm),
+        params=hold(init_params(model, init_rng)),
+        tx=make_optimizer(config),
         rng=dropout_rng,
     )
 
 
-def gradient_norm(state: TrainState) -> jax.Array:
-    """The global norm of the gradient of the last update, before clipping."""
-    return state.opt_state[0].norm
+def clip(grads, norm, max_norm: float):
+    """Scale the gradient down to max_norm when its global norm is larger (max_norm 0: never),
+    as optax.clip_by_global_norm does. The norm is the script's to take: it knows how its
+    devices hold the gradient (whole on each, or in pieces whose squares add up across them)."""
+    if not max_norm:
+        return grads
+    return jax.tree.map(
+        lambda g: jnp.where(norm < max_norm, g, (g / norm * max_norm).astype(g.dtype)), grads
+    )
 
 
 def cross_entropy(logits, labels):
@@ -975,7 +480,9 @@ def cross_entropy(logits, labels):
     with a one-hot vector, not by indexing: where the vocabulary is split over devices
     (pjit_tp.py), each device then reduces its own part of the logits, and only per-position
     partial sums cross devices, never the logits."""
-    label_logits = jnp.sum(logits * jax.nn.one_hot(labels, logits.shape[-1], dtype=logits.dtype), axis=-1)
+    label_logits = jnp.sum(
+        logits * jax.nn.one_hot(labels, logits.shape[-1], dtype=logits.dtype), axis=-1
+    )
     return jax.nn.logsumexp(logits, axis=-1) - label_logits
 
 
@@ -983,7 +490,9 @@ def token_losses(params, apply_fn, tokens, rng=None):
     """Next-token cross-entropy at every position, and the blocks' sums (Model); dropout only
     when given a key. `tokens` is [rows, length + 1], or the inputs and labels already paired,
     [rows, 2, length] (context_parallel.py, which reorders the positions of every sequence)."""
-    inputs, labels = (tokens[:, 0], tokens[:, 1]) if tokens.ndim == 3 else (tokens[:, :-1], tokens[:, 1:])
+    inputs, labels = (
+        (tokens[:, 0], tokens[:, 1]) if tokens.ndim == 3 else (tokens[:, :-1], tokens[:, 1:])
+    )
     rngs = None if rng is None else {"dropout": rng}
     logits, stats = apply_fn({"params": params}, inputs, deterministic=rng is None, rngs=rngs)
     return cross_entropy(logits, labels), stats
@@ -1021,7 +530,9 @@ def accumulate_gradients(state: TrainState, batch, rng, microbatches: int):
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def piece_grads(tokens, i):
-        (_, metrics), grads = grad_fn(state.params, state.apply_fn, tokens, jax.random.fold_in(rng, i))
+        (_, metrics), grads = grad_fn(
+            state.params, state.apply_fn, tokens, jax.random.fold_in(rng, i)
+        )
         return grads, metrics
 
     if microbatches == 1:
@@ -1031,9 +542,302 @@ def accumulate_gradients(state: TrainState, batch, rng, microbatches: int):
     def add_piece(total, piece_and_index):
         return jax.tree.map(jnp.add, total, piece_grads(*piece_and_index)), None
 
-    total, _ = jax.lax.scan(add_piece, piece_grads(pieces[0], 0), (pieces[1:], jnp.arange(1, microbatches)))
+    total, _ = jax.lax.scan(
+        add_piece, piece_grads(pieces[0], 0), (pieces[1:], jnp.arange(1, microbatches))
+    )
     grads, metrics = total
     return jax.tree.map(lambda g: g / microbatches, grads), metrics
+
+
+# ----------------------------------------------------------------------------------------------
+# A mixture of experts: a router sends each token to some of the expert MLPs
+# ----------------------------------------------------------------------------------------------
+
+
+def capacity(config: TrainingConfig, length: int) -> int:
+    """Slots per expert per sequence: --capacity-factor times its fair share of the sequence's
+    length x top-k choices, and never more than the length (then no token can be dropped)."""
+    fair = length * config.top_k / config.experts
+    return (
+        length
+        if not config.capacity_factor
+        else min(length, math.ceil(config.capacity_factor * fair))
+    )
+
+
+class ExpertDense(nn.Module):
+    """A Dense layer per expert, side by side: [experts, ..., in] -> [experts, ..., features]."""
+
+    config: TrainingConfig
+    features: int
+    names: tuple  # the logical names of one expert's kernel
+    scale: float = 1.0
+
+    @nn.compact
+    def __call__(self, x):
+        # As many experts as x brings: all of them, or a device's own (expert_parallel.py).
+        experts = x.shape[0]
+        kernel = self.param(
+            "kernel",
+            _init(("expert", *self.names), self.scale),
+            (experts, x.shape[-1], self.features),
+        )
+        bias = self.param("bias", _zeros(("expert", self.names[-1])), (experts, self.features))
+        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.config.dtype)
+        return jnp.einsum("e...d,edf->e...f", x, kernel) + bias.reshape(
+            bias.shape[0], *[1] * (x.ndim - 2), -1
+        )
+
+
+def places_in_queue(choices):
+    """Each choice's place in its expert's queue, per sequence: the first choices of the whole
+    sequence come first, then the second choices, each in order along the sequence (so a full
+    expert drops second choices before first ones, and later tokens before earlier ones).
+    choices: [rows, length, k, experts], one-hot; returns [rows, length, k], from 0."""
+    rows, length, k, experts = choices.shape
+    queue = choices.swapaxes(1, 2).reshape(rows, k * length, experts)  # first choices first
+    places = (jnp.cumsum(queue, axis=1) - 1).reshape(rows, k, length, experts).swapaxes(1, 2)
+    return jnp.sum(places * choices, -1).astype(jnp.int32)
+
+
+class MoeMlp(nn.Module):
+    """A mixture of --experts MLPs (GShard, Switch): a router sends each token to its --top-k
+    experts, whose outputs, weighted by the router's probabilities, are summed.
+
+    Routing is decided per whole sequence, so it is the same computation however the batch is
+    split: each expert takes at most `capacity` of a sequence's tokens (first choices first,
+    then in order), the rest of its tokens skip it, counted as dropped. Tokens reach their
+    experts as a fixed-size buffer [experts, rows, capacity, features] (one-hot dispatch, as in
+    GShard), which `to_experts` runs. Also returns sums over the rows: the load-balancing loss,
+    tokens per expert and tokens dropped (see Block)."""
+
+    config: TrainingConfig
+    hooks: Hooks = Hooks()
+
+    @nn.compact
+    def __call__(self, x, deterministic):
+        c = self.config
+        rows, length, _ = x.shape
+        # The router works in float32: which expert a token goes to must not hang on rounding.
+        router = nn.Dense(
+            c.experts,
+            use_bias=False,
+            dtype=jnp.float32,
+            kernel_init=_init(("embed", None)),
+            name="router",
+        )
+        probs = jax.nn.softmax(router(x.astype(jnp.float32)))  # [rows, length, experts]
+        gate, expert = jax.lax.top_k(probs, c.top_k)  # [rows, length, k]
+        gate = gate / gate.sum(-1, keepdims=True)
+        chosen = jax.nn.one_hot(expert, c.experts)  # [rows, length, k, experts]
+        # Every token's choices of the whole sequence, in sequence order: where this device's
+        # tokens are in it (positions), and the others' from them (whole_sequence).
+        mine = self.hooks.positions(length)
+        everyone, gathered = (
+            self.hooks.whole_sequence(mine[None])[0],
+            self.hooks.whole_sequence(chosen),
+        )
+        choices = jnp.zeros_like(gathered).at[:, everyone].set(gathered)
+        place = places_in_queue(choices)[:, mine]  # this device's tokens' places
+        # Places past the capacity are dropped: one_hot gives them no slot at all.
+        slot = jax.nn.one_hot(place, capacity(c, choices.shape[1]))  # [rows, length, k, slots]
+        dispatch = jnp.einsum("blke,blks->bles", chosen, slot)
+        combine = jnp.einsum("blke,blks->bles", chosen * gate[..., None], slot)
+        fc1 = ExpertDense(c, 4 * c.d_model, ("embed", "mlp"), name="fc1")
+        fc2 = ExpertDense(c, c.d_model, ("mlp", "embed"), _residual_scale(c), name="fc2")
+        tokens = jnp.einsum("bles,bld->ebsd", dispatch.astype(x.dtype), x)
+        out = self.hooks.to_experts(lambda t: fc2(nn.gelu(fc1(t))), tokens)
+        x = jnp.einsum("ebsd,bles->bld", out, combine.astype(out.dtype))
+        # Load balance (Switch Transformer, eq. 4, per sequence): experts x sum over experts of
+        # (share of the sequence's choices it got) x (its mean router probability); 1 when even.
+        # Counted once per token, so that it adds up like the cross-entropy.
+        balance = c.experts * jnp.sum(
+            choices.mean((1, 2)) * self.hooks.whole_sequence(probs).mean(1), -1
+        )
+        per_expert = dispatch.sum((0, 1, 3))
+        stats = {
+            "aux_loss_sum": c.router_aux_weight * length * balance.sum(),
+            "expert_tokens": per_expert,
+            "dropped_tokens": rows * length * c.top_k - per_expert.sum(),
+        }
+        return nn.Dropout(c.dropout)(x, deterministic=deterministic), stats
+
+
+# ----------------------------------------------------------------------------------------------
+# Data: the global batch of step k depends only on (seed, k), so any number of devices or
+# processes, or a resumed run, sees the same tokens. A dataset is an object with describe(),
+# loss_floor (None if unknown) and batch(step, start, stop, split), which returns rows [start,
+# stop) of global batch `step` as int32 tokens [rows, seq_len + 1], the same rows for the same
+# arguments on any process; --dataset names one (load_dataset, below the banner).
+# ----------------------------------------------------------------------------------------------
+
+
+SPLITS = {"train": 0, "eval": 1}  # each split draws from its own random streams
+
+
+class SyntheticData:
+    """A sparse random Markov chain over `vocab` tokens, fixed by its own seed.
+
+    Each token has `branching` possible successors with random probabilities. The best possible
+    loss is the chain's entropy rate, sum_s pi(s) H(next | s), which is printed so a run can be
+    judged against it. Sequences start from the stationary distribution pi, so every predicted
+    position has exactly that expected loss at best.
+    """
+
+    def __init__(
+        self, seed: int, seq_len: int, vocab: int = 256, branching: int = 4, source_seed: int = 1234
+    ):
+        self.seed, self.seq_len, self.vocab = seed, seq_len, vocab
+        rng = np.random.default_rng(source_seed)
+        # Token s can always go to following[s], the next token on one random cycle through all
+        # tokens: so every token is reachable from every other, and the chain has one
+        # stationary distribution.
+        cycle = rng.permutation(vocab)
+        following = np.empty(vocab, np.int64)
+        following[cycle] = np.roll(cycle, -1)
+        small = vocab <= 2048  # a dense transition matrix fits: the exact construction
+        self.successors = np.empty((vocab, branching), np.int64)
+        if small:
+            for s in range(vocab):
+                others = np.delete(np.arange(vocab), following[s])
+                self.successors[s] = [
+                    following[s],
+                    *rng.choice(others, branching - 1, replace=False),
+                ]
+        else:  # the same distribution, drawn for all tokens at once
+            self.successors[:, 0] = following
+            while True:
+                others = rng.integers(0, vocab - 1, size=(vocab, branching - 1))
+                others += others >= following[:, None]  # skip following[s]
+                if all(len(set(row)) == branching - 1 for row in others):
+                    break
+            self.successors[:, 1:] = others
+        probs = rng.dirichlet(np.ones(branching), size=vocab)
+        self.cumulative = np.cumsum(probs, axis=1)
+        if small:  # pi: the left eigenvector of the transition matrix with eigenvalue 1
+            transition = np.zeros((vocab, vocab))
+            np.put_along_axis(transition, self.successors, probs, axis=1)
+            eigenvalues, eigenvectors = np.linalg.eig(transition.T)
+            pi = np.real(eigenvectors[:, np.argmin(np.abs(eigenvalues - 1))])
+        else:  # the same by power iteration on the sparse chain (made lazy, so it converges)
+            pi = np.full(vocab, 1 / vocab)
+            for _ in range(100_000):
+                moved = np.zeros(vocab)
+                np.add.at(moved, self.successors, pi[:, None] * probs)
+                pi, change = (pi + moved) / 2, np.abs(moved - pi).sum()
+                if change < 1e-12:
+                    break
+        self.stationary = np.cumsum(pi / pi.sum())
+        self.walk_tables = None  # the chain on the host's CPU device, for _markov_walk
+        self.loss_floor = float(-(pi / pi.sum()) @ np.sum(probs * np.log(probs), axis=1))
+
+    def describe(self) -> str:
+        return f"synthetic Markov source, loss floor {self.loss_floor:.4f} (its entropy rate)"
+
+    def batch(self, step: int, start: int, stop: int, split: str = "train") -> np.ndarray:
+        """Rows [start, stop) of batch `step` of a split ('train' or 'eval'): int32 [rows, seq_len +
+        1]."""
+        # One generator per (seed, split, step, row): any slice of a batch can be made on its own.
+        # Uniforms u = k / 2**53 from integers k < 2**53 (numpy's Generator.random() exactly).
+        k = np.stack(
+            [
+                np.random.PCG64((self.seed, SPLITS[split], step, row)).random_raw(self.seq_len + 1)
+                >> 11
+                for row in range(start, stop)
+            ]
+        ).astype(np.int64)
+        first = np.minimum(np.searchsorted(self.stationary, k[:, 0] * 2.0**-53), self.vocab - 1)
+        # Then token t + 1 is successors[s, j] for the first j with u[t + 1] <= cumulative[s, j], s
+        # token t. The walk is sequential, so it runs as one compiled loop, not a Python one (8 x
+        # 1,024 tokens: 9.3 -> 0.6 ms), in exact integers: u > c exactly when k > floor(c * 2**53).
+        # Both halved into 32 bits, so JAX needs no 64-bit types: the tokens are numpy's, bit for
+        # bit.
+        if self.walk_tables is None:  # made here, not in __init__: devices may not be started then
+            bounds = np.floor(self.cumulative * 2.0**53).astype(np.int64)
+            self.walk_tables = jax.device_put(
+                (_high(bounds), _low(bounds), self.successors.astype(np.int32)),
+                jax.local_devices(backend="cpu")[0],
+            )
+        walked = _markov_walk(
+            first.astype(np.int32), _high(k[:, 1:].T), _low(k[:, 1:].T), *self.walk_tables
+        )
+        return np.concatenate([first[:, None], np.asarray(walked).T], axis=1).astype(np.int32)
+
+
+def _high(k):
+    return (k >> 32).astype(np.int32)
+
+
+def _low(k):
+    return (k & 0xFFFFFFFF).astype(np.uint32)
+
+
+@jax.jit
+def _markov_walk(first, k_high, k_low, bound_high, bound_low, successors):
+    """SyntheticData's walk: tokens [positions, rows] after `first` [rows]."""
+
+    def next_token(token, k):
+        high, low = k[0][:, None], k[1][:, None]
+        above = (high > bound_high[token]) | (
+            (high == bound_high[token]) & (low > bound_low[token])
+        )
+        choice = jnp.minimum(above.sum(axis=1), successors.shape[1] - 1)  # [rows]
+        token = jnp.take_along_axis(successors[token], choice[:, None], axis=1)[:, 0]
+        return token, token
+
+    return jax.lax.scan(next_token, first, (k_high, k_low), unroll=4)[1]
+
+
+class TextFile:
+    """A local text file read as bytes (vocabulary 256), like nanoGPT's shakespeare_char: its
+    first 90% to train on, the rest held out. Each row of a batch is a window of seq_len + 1
+    bytes at a place drawn from (seed, split, step, row), as in TextData."""
+
+    loss_floor = None  # unknown for real text
+
+    def __init__(self, config: TrainingConfig):
+        self.seed, self.seq_len, path = config.seed, config.seq_len, config.dataset
+        require(os.path.isfile(path), "dataset", f"{path} is not a file, e.g. --dataset input.txt")
+        data = np.fromfile(path, np.uint8)
+        cut = len(data) * 9 // 10
+        self.splits = {"train": data[:cut], "eval": data[cut:]}
+        shortest = min(len(text) for text in self.splits.values())
+        require(
+            shortest > self.seq_len,
+            "dataset",
+            f"{path} is too short: its held-out tenth has {shortest} bytes, fewer than --seq-len + "
+            f"1; give a file of at least {10 * (self.seq_len + 1):,} bytes, or a smaller --seq-len",
+        )
+        self.describe_text = f"{path} as bytes, {len(data):,} of them, the last tenth held out"
+
+    def describe(self) -> str:
+        return self.describe_text
+
+    def batch(self, step: int, start: int, stop: int, split: str = "train") -> np.ndarray:
+        """Rows [start, stop) of batch `step` of a split ('train' or 'eval'): int32 [rows, seq_len +
+        1]."""
+        text = self.splits[split]
+        places = [
+            np.random.default_rng((self.seed, SPLITS[split], step, row)).integers(
+                len(text) - self.seq_len
+            )
+            for row in range(start, stop)
+        ]
+        return np.stack([text[place : place + self.seq_len + 1] for place in places]).astype(
+            np.int32
+        )
+
+
+def process_rows(batch_size: int, process: int, processes: int) -> range:
+    """The rows of the global batch that one process builds: an equal contiguous share."""
+    rows = batch_size // processes
+    return range(process * rows, (process + 1) * rows)
+
+
+def host_batch(dataset, config: TrainingConfig, step: int, split: str = "train") -> np.ndarray:
+    """This process's share of a global batch; no process builds the whole batch."""
+    rows = process_rows(config.batch_size, jax.process_index(), jax.process_count())
+    return dataset.batch(step, rows.start, rows.stop, split)
 
 
 # ==============================================================================================
@@ -1043,18 +847,80 @@ def accumulate_gradients(state: TrainState, batch, rng, microbatches: int):
 
 
 # ----------------------------------------------------------------------------------------------
-# Command line and its checks: bad input is one line and exit status 2, before any compilation
+# Config: the run's flags; the command line and its checks: bad input is one line and exit
+# status 2, before any compilation
 # ----------------------------------------------------------------------------------------------
 
 
-class ConfigError(ValueError):
-    """A bad flag. The command line reports it as one line and exit status 2."""
+@dataclasses.dataclass(frozen=True)
+class Config(TrainingConfig):
+    """Every flag of every script: the training's (TrainingConfig) and the run's, below; a
+    script's Config adds its strategy's."""
 
+    data_dir: str | None = arg(
+        None, "where TFDS datasets are stored (default: TFDS's, ~/tensorflow_datasets)"
+    )
+    text_key: str = arg(
+        "text", "the TFDS dataset's text feature, e.g. text for tiny_shakespeare and lm1b"
+    )
+    tfds_manual_dir: str | None = arg(
+        None, "already downloaded source files for preparing a TFDS dataset offline"
+    )
+    eval_every: int = arg(100, "evaluate on held-out batches every this many steps (0: never)")
+    eval_batches: int = arg(8, "held-out batches per evaluation, the same ones every time")
+    prefetch: int = arg(
+        2, "batches made ahead in a thread while steps run (0: each made when its step comes)"
+    )
+    checkpoint_dir: str | None = arg(
+        None, "save checkpoints here, and resume from the latest one found"
+    )
+    checkpoint_every: int = arg(
+        100, "steps between checkpoints; the last step and SIGTERM always save"
+    )
+    keep: int = arg(3, "how many of the most recent checkpoints to keep")
+    log_every: int = arg(25, "print and record metrics every this many steps")
+    metrics_file: str | None = arg(None, "write JSON Lines metrics here: logged steps, a summary")
+    show_sharding: bool = arg(
+        False, "before training, print every parameter's layout and bytes per device"
+    )
+    profile: str | None = arg(
+        None, "write a jax.profiler trace of a few steps after compilation to this folder"
+    )
+    cpu_devices: int | None = arg(
+        None,
+        "emulated CPU devices per process, used when no GPU or TPU is present (default 8, or the "
+        "count in XLA_FLAGS' --xla_force_host_platform_device_count)",
+    )
+    coordinator_address: str | None = arg(
+        None,
+        "several processes: host:port of process 0, e.g. 10.0.0.1:1234 (all processes give the "
+        "same)",
+    )
+    num_processes: int = arg(1, "several processes: how many, with --coordinator-address")
+    process_id: int = arg(0, "several processes: this one's index, 0 to --num-processes - 1")
+    distributed: bool = arg(
+        False, "start JAX's distributed runtime and let it find the cluster (TPU pod, SLURM)"
+    )
+    heartbeat_timeout: int = arg(
+        60, "several processes: seconds of silence before a process counts as dead"
+    )
+    debug_nans: bool = arg(
+        False, "find the operation that first makes a NaN (JAX re-runs it op by op; slow)"
+    )
+    stall_timeout: int = arg(
+        600,
+        "stop, with one line, when no step finishes for this many seconds (a stuck collective); "
+        "0: wait for ever",
+    )
 
-def require(ok, name, message):
-    """Raise ConfigError for flag --name unless ok."""
-    if not ok:
-        raise ConfigError(f"--{name.replace('_', '-')} {message}")
+    def batch_shards(self) -> int:
+        """How many ways the global batch is split; scripts with a mesh override this."""
+        return jax.device_count()
+
+    def validate(self):
+        """Raise ConfigError naming the first bad flag; a script adds its own flags' checks."""
+        check_flags(self)
+        check_model(self)  # the model keeps its contract (--model)
 
 
 def check_flags(config: Config):
@@ -1072,16 +938,38 @@ def check_flags(config: Config):
                 f"must be a finite float32 number (at most 3.4e38), {example(field.name)}",
             )
     positive = (
-        "steps", "batch_size", "seq_len", "layers", "d_model", "heads", "microbatches", "log_every",
-        "eval_batches", "checkpoint_every", "keep", "lr",
-    )  # fmt: skip
+        "steps",
+        "batch_size",
+        "seq_len",
+        "layers",
+        "d_model",
+        "heads",
+        "microbatches",
+        "log_every",
+        "eval_batches",
+        "checkpoint_every",
+        "keep",
+        "lr",
+    )
     for name in positive:
         require(getattr(config, name) > 0, name, f"must be positive, {example(name)}")
-    for name in ("warmup_steps", "seed", "eval_every", "prefetch", "weight_decay", "clip_norm", "stall_timeout"):
+    for name in (
+        "warmup_steps",
+        "seed",
+        "eval_every",
+        "prefetch",
+        "weight_decay",
+        "clip_norm",
+        "stall_timeout",
+    ):
         require(getattr(config, name) >= 0, name, f"must be zero or more, {example(name)}")
     require(0 <= config.dropout < 1, "dropout", f"must be in [0, 1), {example('dropout')}")
     for name in ("experts", "capacity_factor", "router_aux_weight"):
-        require(getattr(config, name) >= 0, name, f"must be zero or more, e.g. --{name.replace('_', '-')} 8")
+        require(
+            getattr(config, name) >= 0,
+            name,
+            f"must be zero or more, e.g. --{name.replace('_', '-')} 8",
+        )
     require(
         not config.experts or 1 <= config.top_k <= config.experts,
         "top_k",
@@ -1090,14 +978,19 @@ def check_flags(config: Config):
     require(
         8 <= config.vocab_size <= MAX_VOCAB,
         "vocab_size",
-        f"must be from 8 to {MAX_VOCAB:,} (GPT-2's is 50304, the largest in use about 256,000), {example('vocab_size')}",
+        f"must be from 8 to {MAX_VOCAB:,} (GPT-2's is 50304, the largest in use about 256,000), "
+        f"{example('vocab_size')}",
     )
     require(
         config.dataset == "synthetic" or config.vocab_size == BYTES,
         "vocab_size",
         f"must be {BYTES} for text, which is read as bytes, e.g. --vocab-size {BYTES}",
     )
-    require(config.dtype in ("float32", "bfloat16"), "dtype", "must be float32 or bfloat16, e.g. --dtype bfloat16")
+    require(
+        config.dtype in ("float32", "bfloat16"),
+        "dtype",
+        "must be float32 or bfloat16, e.g. --dtype bfloat16",
+    )
     if config.attention == "cudnn" and (problem := why_not_cudnn(config)):
         require(False, "attention", f"cudnn {problem}")
     require(
@@ -1113,19 +1006,29 @@ def check_flags(config: Config):
         f"micro-batches, e.g. --batch-size {max(1, config.batch_size // shards) * shards}",
     )
     require(
-        (config.num_processes, config.process_id) == (1, 0) or config.coordinator_address or config.distributed,
+        (config.num_processes, config.process_id) == (1, 0)
+        or config.coordinator_address
+        or config.distributed,
         "num_processes",
-        "and --process-id need --coordinator-address host:port of process 0, e.g. --coordinator-address 10.0.0.1:1234",
+        "and --process-id need --coordinator-address host:port of process 0, e.g. "
+        "--coordinator-address 10.0.0.1:1234",
     )
     require(
         not (config.metrics_file and os.path.isdir(config.metrics_file)),
         "metrics_file",
-        f"{config.metrics_file} is a folder; give a file in it, e.g. --metrics-file {config.metrics_file}/metrics.jsonl",
+        f"{config.metrics_file} is a folder; give a file in it, e.g. --metrics-file "
+        f"{config.metrics_file}/metrics.jsonl",
     )
-    require(  # a device or a pipe would be replaced by a regular file when a resumed run rewrites it
-        not (config.metrics_file and os.path.exists(config.metrics_file) and not os.path.isfile(config.metrics_file)),
+    # A device or a pipe would be replaced by a regular file when a resumed run rewrites it
+    require(
+        not (
+            config.metrics_file
+            and os.path.exists(config.metrics_file)
+            and not os.path.isfile(config.metrics_file)
+        ),
         "metrics_file",
-        f"{config.metrics_file} is not a regular file; give a file's path, e.g. --metrics-file runs/metrics.jsonl",
+        f"{config.metrics_file} is not a regular file; give a file's path, e.g. --metrics-file "
+        "runs/metrics.jsonl",
     )
 
 
@@ -1134,29 +1037,32 @@ def mesh_shape(text: str, axes: tuple, auto: dict) -> dict:
     outer first). An axis left out has size 1; 'auto' gives `auto`."""
     n = jax.device_count()
     auto = {axis: auto.get(axis, 1) for axis in axes}
-    example = "e.g. --mesh " + ",".join(f"{axis}={size}" for axis, size in auto.items() if size > 1 or axis == "data")
+    example = "e.g. --mesh " + ",".join(
+        f"{axis}={size}" for axis, size in auto.items() if size > 1 or axis == "data"
+    )
     if text == "auto":
         return auto
     try:
-        pairs = [(name.strip(), int(size)) for name, size in (item.split("=") for item in text.split(","))]
+        pairs = [
+            (name.strip(), int(size))
+            for name, size in (item.split("=") for item in text.split(","))
+        ]
     except ValueError:
         raise ConfigError(f"--mesh {text} is not axis=size pairs, {example}") from None
     shape = dict(pairs)
     require(len(shape) == len(pairs), "mesh", f"{text} names an axis twice, {example}")
-    require(set(shape) <= set(axes), "mesh", f"{text} may name only the axes {' and '.join(axes)}, {example}")
+    require(
+        set(shape) <= set(axes),
+        "mesh",
+        f"{text} may name only the axes {' and '.join(axes)}, {example}",
+    )
     require(min(shape.values()) > 0, "mesh", f"{text} has an axis of size < 1, {example}")
     require(
-        math.prod(shape.values()) == n, "mesh", f"{text} has {math.prod(shape.values())} devices, not {n}; {example}"
+        math.prod(shape.values()) == n,
+        "mesh",
+        f"{text} has {math.prod(shape.values())} devices, not {n}; {example}",
     )
     return {axis: shape.get(axis, 1) for axis in axes}
-
-
-def tensor_parallel_auto(heads: int) -> dict:
-    """The 'auto' mesh of tensor parallelism: up to 4 devices on 'model' (at most half of them,
-    and a divisor of --heads), the rest on 'data'."""
-    n = jax.device_count()
-    model = max(m for m in (1, 2, 4) if n % m == 0 and heads % m == 0 and m <= max(1, n // 2))
-    return {"data": n // model, "model": model}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -1168,7 +1074,9 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
     """The script's docstring as written, then every flag with its default, said once."""
 
     def _get_help_string(self, action):
-        return action.help if "(default" in (action.help or "") else super()._get_help_string(action)
+        return (
+            action.help if "(default" in (action.help or "") else super()._get_help_string(action)
+        )
 
 
 def parse_config(config_class=Config, doc: str | None = None, argv: list | None = None) -> Config:
@@ -1187,6 +1095,185 @@ def parse_config(config_class=Config, doc: str | None = None, argv: list | None 
             parser.add_argument(flag, type=kind, metavar=metavar, **options)
         parser.set_defaults(**{field.name: field.default})
     return config_class(**vars(parser.parse_args(argv)))
+
+
+# ----------------------------------------------------------------------------------------------
+# The model a flag names: --model's pieces, --attention's kernel, the contract checked
+# ----------------------------------------------------------------------------------------------
+
+
+MODELS = {"gpt": GPT}  # --model's built-in names
+
+
+@functools.cache
+def model_pieces(name: str) -> Pieces:
+    """The pieces --model names: a built-in model, a Python file (my_model.py) or an importable
+    module (my_project.model) that defines Embed, Block and Head."""
+    if name in MODELS:
+        return MODELS[name]
+    import importlib
+    import importlib.util
+
+    where = f"--model {name}"
+    try:
+        if name.endswith(".py"):
+            require(
+                os.path.isfile(name),
+                "model",
+                f"{name} is not a file; give a Python file or module that defines Embed, Block and "
+                f"Head, or one of {', '.join(MODELS)}",
+            )
+            spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], name)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules.setdefault(spec.name, module)
+            spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name and name.startswith(error.name):
+            raise ConfigError(
+                f"{where}: no such model, Python file or module; built in: {', '.join(MODELS)}"
+            ) from None
+        raise
+    missing = [
+        piece for piece in Pieces._fields if not isinstance(getattr(module, piece, None), type)
+    ]
+    require(
+        not missing,
+        "model",
+        f"{name} defines no {', '.join(missing)}: a model is three Flax modules named Embed, Block "
+        "and Head (common.py's model contract; README: Your own model and data)",
+    )
+    pieces = Pieces(*(getattr(module, piece) for piece in Pieces._fields))
+    for piece in pieces:
+        require(
+            issubclass(piece, Piece),
+            "model",
+            f"{name}: {piece.__name__} is not a common.Piece: subclass it, so that it is built as "
+            f"{piece.__name__}(config, hooks) (common.py's model contract)",
+        )
+    return pieces
+
+
+def attention_kernel(config: Config) -> str:
+    """--attention as jax.nn.dot_product_attention's `implementation`; 'auto' is cuDNN's fused
+    kernel, which never builds the [length, length] scores, wherever it can run. (JAX's own
+    default is always 'xla'.)"""
+    if config.attention != "auto":
+        return config.attention
+    return "xla" if why_not_cudnn(config) else "cudnn"
+
+
+def why_not_cudnn(config: Config) -> str | None:
+    """Why cuDNN's fused attention cannot run this model here, or None: it runs on NVIDIA GPUs,
+    in bfloat16 (or float16), for heads of up to 128 units in steps of 8."""
+    kind, head_dim = jax.devices()[0].device_kind, config.d_model // max(1, config.heads)
+    if "nvidia" not in kind.lower():
+        return f"needs an NVIDIA GPU, not {kind}: e.g. --attention auto"
+    if config.dtype != "bfloat16":
+        return "computes in bfloat16 only, e.g. --dtype bfloat16"
+    if head_dim % 8 or head_dim > 128:
+        heads = max(1, config.d_model // 64)
+        return f"takes heads of 8 to 128 units in steps of 8, not {head_dim}: e.g. --heads {heads}"
+    return None
+
+
+# Cached, one model per config, wrap and hooks: the TrainState holds the model's apply method in
+# its tree structure, and a state worked out on shapes (to compile for) must match the real one.
+@functools.cache
+def make_model(
+    config: Config, wrap: Callable[[type], type] = unwrapped, hooks: Hooks = Hooks()
+) -> Model:
+    """The model --model names, its pieces wrapped by `wrap`, built with `hooks`; attention, if
+    the hooks keep one device's, with --attention's kernel."""
+    if hooks.attend is causal_attention:
+        hooks = dataclasses.replace(
+            hooks,
+            attend=functools.partial(causal_attention, implementation=attention_kernel(config)),
+        )
+    return Model(config, model_pieces(config.model), wrap, hooks)
+
+
+def check_model(config: Config):
+    """The model contract, checked piece by piece on shapes alone (nothing is computed or
+    compiled): ConfigError naming the piece or parameter that breaks it, and what to do."""
+    pieces = model_pieces(config.model)
+    tokens = jax.ShapeDtypeStruct((2, config.seq_len), jnp.int32)
+    where = f"--model {config.model}:"
+    contract = "(common.py's model contract; README: Your own model and data)"
+
+    def build(piece, x):
+        # The random key is made inside eval_shape too: made outside, it would be computed
+        # (compiled).
+        out, variables = jax.eval_shape(
+            lambda x: piece(config).init_with_output(jax.random.key(0), x, True), x
+        )
+        for path, leaf in jax.tree_util.tree_leaves_with_path(
+            variables.get("params", {}), is_leaf=_is_boxed
+        ):
+            where_in = jax.tree_util.keystr(path, simple=True, separator="/")
+            name = f"{piece.__name__}'s parameter {where_in}"
+            if not isinstance(leaf, nn.LogicallyPartitioned):
+                raise ConfigError(
+                    f"{where} {name} has no logical axis names: declare it with "
+                    f"nn.with_logical_partitioning(init, names) {contract}"
+                )
+            if len(leaf.names) != len(leaf.value.shape):
+                raise ConfigError(
+                    f"{where} {name} has {len(leaf.value.shape)} axes but names {leaf.names}: one "
+                    f"name per axis {contract}"
+                )
+        return out
+
+    x = build(pieces.Embed, tokens)
+    if not (isinstance(x, jax.ShapeDtypeStruct) and x.ndim == 3 and x.shape[:2] == tokens.shape):
+        raise ConfigError(
+            f"{where} Embed returns {_shape_text(x)} for tokens {_shape_text(tokens)}; it must "
+            f"return activations [batch, length, features] {contract}"
+        )
+    out = build(pieces.Block, x)
+    sums = out[1] if isinstance(out, tuple) and len(out) == 2 else None
+    if not (
+        isinstance(out, tuple)
+        and len(out) == 2
+        and _shape_text(out[0]) == _shape_text(x)
+        and (
+            sums is None
+            or isinstance(sums, dict)
+            and all(s.dtype == jnp.float32 for s in jax.tree.leaves(sums))
+        )
+    ):
+        raise ConfigError(
+            f"{where} Block returns {_shape_text(out)} for activations {_shape_text(x)}; it must "
+            "return (activations of the same shape and dtype, None or a dict of float32 sums) "
+            f"{contract}"
+        )
+    logits = build(pieces.Head, x)
+    wanted = jax.ShapeDtypeStruct((*tokens.shape, config.vocab_size), jnp.float32)
+    if _shape_text(logits) != _shape_text(wanted):
+        raise ConfigError(
+            f"{where} Head returns {_shape_text(logits)}; it must return float32 logits "
+            f"{_shape_text(wanted)} (batch, length, --vocab-size) {contract}"
+        )
+
+
+def logical_names(config: Config) -> list:
+    """(path, box) of every parameter, its box holding the logical names of its axes."""
+    boxed = jax.eval_shape(lambda: init_params(make_model(config), jax.random.key(0)))
+    leaves = jax.tree_util.tree_leaves_with_path(boxed, is_leaf=_is_boxed)
+    return [(jax.tree_util.keystr(path, simple=True, separator="/"), box) for path, box in leaves]
+
+
+def _is_boxed(x):
+    return isinstance(x, nn.meta.AxisMetadata)
+
+
+def _shape_text(x) -> str:
+    if isinstance(x, tuple):
+        return "(" + ", ".join(map(_shape_text, x)) + ")"
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return f"{x.dtype}{list(x.shape)}"
+    return repr(x)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1211,7 +1298,8 @@ def setup(config: Config):
         config.validate()
         prepare_output_folders(config)
         load_dataset(config)  # a dataset that cannot be read is bad input too
-        check_checkpoint(config)  # and so is a checkpoint folder in use, unreadable or of another model
+        # And so is a checkpoint folder in use, unreadable or of another model
+        check_checkpoint(config)
     except ConfigError as error:
         problem = str(error)
     if jax.process_count() > 1:
@@ -1225,7 +1313,11 @@ def _stop_while_starting(signum, frame):
     Exit at once rather than raise SystemExit from wherever the main thread is: raised inside
     JAX's backend start-up, it skips the cancel of a 60-second timer thread (xla_bridge's TPU
     warning), and the interpreter would wait for that thread before exiting."""
-    print("Ctrl-C: stopped while starting, before any step; nothing was trained or saved", file=sys.stderr, flush=True)
+    print(
+        "Ctrl-C: stopped while starting, before any step; nothing was trained or saved",
+        file=sys.stderr,
+        flush=True,
+    )
     sys.stdout.flush()
     os._exit(130)
 
@@ -1253,20 +1345,26 @@ class _StdoutOfAPipe:
             self._drop_the_rest()
 
     def _drop_the_rest(self):
-        os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())  # what is still buffered goes nowhere
+        # What is still buffered goes nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
 
     def __getattr__(self, name):
         return getattr(self.stream, name)
 
 
 def _survive_a_closed_stdout():
-    if sys.stdout is sys.__stdout__ and sys.stdout is not None:  # a terminal, a file or a pipe; not a test's capture
+    # A terminal, a file or a pipe; not a test's capture
+    if sys.stdout is sys.__stdout__ and sys.stdout is not None:
         sys.stdout = _StdoutOfAPipe(sys.stdout)
 
 
 def exit_bad_input(message: str):
     """One line on stderr, exit status 2: argparse's convention for bad input."""
-    print(f"{os.path.basename(sys.argv[0])}: error: {message} (see --help)", file=sys.stderr, flush=True)
+    print(
+        f"{os.path.basename(sys.argv[0])}: error: {message} (see --help)",
+        file=sys.stderr,
+        flush=True,
+    )
     raise SystemExit(2)
 
 
@@ -1301,15 +1399,23 @@ def _start_devices(config: Config):
             flags = f"{flags} --{name}={seconds}".strip()
     os.environ["XLA_FLAGS"] = flags  # read when JAX starts its first backend
     forced = re.search(r"--xla_force_host_platform_device_count=(\d+)", flags)
-    count = config.cpu_devices if config.cpu_devices is not None else int(forced.group(1)) if forced else 8
+    count = (
+        config.cpu_devices
+        if config.cpu_devices is not None
+        else int(forced.group(1))
+        if forced
+        else 8
+    )
     require(count > 0, "cpu_devices", "must be positive, e.g. --cpu-devices 8")
     if forced and config.cpu_devices is not None and int(forced.group(1)) != count:
         print(
-            f"--cpu-devices {count} overrides XLA_FLAGS' --xla_force_host_platform_device_count={forced.group(1)}",
+            f"--cpu-devices {count} overrides XLA_FLAGS' "
+            f"--xla_force_host_platform_device_count={forced.group(1)}",
             file=sys.stderr,
         )
     if "PJRT_NPROC" not in os.environ:  # a value of the user's is kept
-        os.environ["PJRT_NPROC"] = str(cpu_client_threads(count))  # read when JAX starts the CPU backend
+        # Read when JAX starts the CPU backend
+        os.environ["PJRT_NPROC"] = str(cpu_client_threads(count))
     try:
         # Only affects the CPU backend, so it is harmless on GPU/TPU hosts, whose real devices
         # are used unchanged. It must run before JAX starts a backend.
@@ -1317,7 +1423,8 @@ def _start_devices(config: Config):
     except RuntimeError:  # JAX already started in this process (tests call main() repeatedly)
         if jax.default_backend() == "cpu" and jax.local_device_count() != count:
             raise ConfigError(
-                f"--cpu-devices {count}: this process already started JAX with {jax.local_device_count()} CPU devices"
+                f"--cpu-devices {count}: this process already started JAX with "
+                f"{jax.local_device_count()} CPU devices"
             ) from None
     jax.config.update("jax_debug_nans", config.debug_nans)
     if (config.coordinator_address or config.distributed) and not jax.distributed.is_initialized():
@@ -1336,13 +1443,15 @@ def _backend_problem(error: Exception) -> str:
     wanted = [plugins[p] for p in platforms.split(",") if p in plugins]
     if wanted:  # an accelerator was asked for, and its plugin is missing or cannot start
         return (
-            f'JAX cannot start the {platforms} backend ({reason}); install it with pip install "{wanted[0]}=='
-            f'{jax.__version__}" (README: Running on CPU, GPU and TPU), or unset JAX_PLATFORMS to use the devices present'
+            f"JAX cannot start the {platforms} backend ({reason}); install it with pip install "
+            f'"{wanted[0]}=={jax.__version__}" (README: Running on CPU, GPU and TPU), or unset '
+            "JAX_PLATFORMS to use the devices present"
         )
     if jax.distributed.is_initialized():  # gloo, between CPU processes, looks up this host's name
         return (
-            f"JAX cannot start its devices ({reason}); with several processes each one must resolve its own host "
-            f"name ({socket.gethostname()}: check /etc/hosts or DNS) and reach the others"
+            f"JAX cannot start its devices ({reason}); with several processes each one must "
+            f"resolve its own host name ({socket.gethostname()}: check /etc/hosts or DNS) and "
+            "reach the others"
         )
     return f"JAX cannot start its devices ({reason})"
 
@@ -1368,7 +1477,8 @@ def prepare_output_folders(config: Config):
             require(
                 False,
                 name,
-                f"{path} cannot be written ({reason}); give a folder you can write, e.g. --{name.replace('_', '-')} {example}",
+                f"{path} cannot be written ({reason}); give a folder you can write, e.g. "
+                f"--{name.replace('_', '-')} {example}",
             )
 
 
@@ -1376,7 +1486,11 @@ def _start_distributed(config: Config):
     """Join the other processes. Every process runs the same program on its own devices; jit,
     shard_map and pmap collectives then span all of them."""
     if config.distributed:  # JAX reads the cluster from its environment (Cloud TPU, SLURM, ...)
-        require(not config.coordinator_address, "distributed", "and --coordinator-address exclude each other: give one")
+        require(
+            not config.coordinator_address,
+            "distributed",
+            "and --coordinator-address exclude each other: give one",
+        )
         address, processes, process_id = None, None, None
     else:
         host, _, port = config.coordinator_address.rpartition(":")
@@ -1385,18 +1499,28 @@ def _start_distributed(config: Config):
             "coordinator_address",
             "must be host:port, e.g. --coordinator-address 10.0.0.1:1234",
         )
-        require(config.num_processes > 0, "num_processes", "must be positive, e.g. --num-processes 2")
+        require(
+            config.num_processes > 0, "num_processes", "must be positive, e.g. --num-processes 2"
+        )
         require(
             0 <= config.process_id < config.num_processes,
             "process_id",
             f"must be in 0..{config.num_processes - 1}, e.g. --process-id 0",
         )
-        address, processes, process_id = config.coordinator_address, config.num_processes, config.process_id
+        address, processes, process_id = (
+            config.coordinator_address,
+            config.num_processes,
+            config.process_id,
+        )
         if process_id:
             _wait_for_coordinator(host, int(port), config.heartbeat_timeout)
         else:
             _check_port_is_free(int(port))
-    require(config.heartbeat_timeout > 0, "heartbeat_timeout", "must be positive, e.g. --heartbeat-timeout 60")
+    require(
+        config.heartbeat_timeout > 0,
+        "heartbeat_timeout",
+        "must be positive, e.g. --heartbeat-timeout 60",
+    )
     # CPU processes exchange collectives through gloo (TCP); GPUs and TPUs use their own links.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # JAX waits for every process to join, then aborts with a C++ stack trace if one is missing;
@@ -1405,18 +1529,21 @@ def _start_distributed(config: Config):
 
     def watchdog():
         if not joined.wait(config.heartbeat_timeout):
-            if config.process_id:  # what answers at the address is not a coordinator that lets us in
+            # What answers at the address is not a coordinator that lets us in
+            if config.process_id:
                 problem = (
-                    f"could not join process 0 at {config.coordinator_address} within {config.heartbeat_timeout}s: "
-                    "check that process 0 runs with the same --coordinator-address and --num-processes, and that "
-                    "no other program listens on that port"
+                    f"could not join process 0 at {config.coordinator_address} within "
+                    f"{config.heartbeat_timeout}s: check that process 0 runs with the same "
+                    "--coordinator-address and --num-processes, and that no other program listens "
+                    "on that port"
                 )
             else:
                 who = "process 1" if config.num_processes == 2 else "not every process"
                 problem = (
-                    f"{who} did not join within {config.heartbeat_timeout}s: start every process with "
-                    f"--coordinator-address {config.coordinator_address} --num-processes {config.num_processes} "
-                    "and its own --process-id (see its output if it was started)"
+                    f"{who} did not join within {config.heartbeat_timeout}s: start every process "
+                    f"with --coordinator-address {config.coordinator_address} --num-processes "
+                    f"{config.num_processes} and its own --process-id (see its output if it was "
+                    "started)"
                 )
             print(f"error: {problem}", file=sys.stderr, flush=True)
             os._exit(1)
@@ -1445,11 +1572,18 @@ def _compare_with_other_processes(config: Config, problem: str | None) -> str | 
     counts = [sum(d.process_index == p for d in jax.devices()) for p in range(jax.process_count())]
     if len(set(counts)) > 1:  # every process sees every process's devices, so all say this
         return (
-            f"the processes have {', '.join(map(str, counts))} devices: every process needs as many, e.g. "
-            f"--cpu-devices {min(counts)} on each (on GPU and TPU hosts, as many accelerators)"
+            f"the processes have {', '.join(map(str, counts))} devices: every process needs as "
+            f"many, e.g. --cpu-devices {min(counts)} on each (on GPU and TPU hosts, as many "
+            "accelerators)"
         )
-    flags = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "process_id"}
-    reports = _share_with_other_processes({"problem": problem, "flags": flags}, config.heartbeat_timeout)
+    flags = {
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(config)
+        if f.name != "process_id"
+    }
+    reports = _share_with_other_processes(
+        {"problem": problem, "flags": flags}, config.heartbeat_timeout
+    )
     if problem:
         return problem  # this process stops for its own reason; the others learn it from its report
     for other, theirs in enumerate(reports):
@@ -1461,8 +1595,9 @@ def _compare_with_other_processes(config: Config, problem: str | None) -> str | 
             if theirs["flags"].get(name) != value:
                 flag = "--" + name.replace("_", "-")
                 return (
-                    f"{flag} differs between processes: {value} on process {me}, {theirs['flags'].get(name)} on "
-                    f"process {other}; start every process with the same flags but --process-id"
+                    f"{flag} differs between processes: {value} on process {me}, "
+                    f"{theirs['flags'].get(name)} on process {other}; start every process with the "
+                    "same flags but --process-id"
                 )
     return None
 
@@ -1476,8 +1611,8 @@ def _share_with_other_processes(report: dict, timeout: float) -> list:
     def watchdog():
         if not done.wait(timeout):
             print(
-                f"error: not every process reached the check of the flags within {timeout}s: see the other "
-                "processes' output",
+                f"error: not every process reached the check of the flags within {timeout}s: see "
+                "the other processes' output",
                 file=sys.stderr,
                 flush=True,
             )
@@ -1502,8 +1637,9 @@ def _check_port_is_free(port: int):
             probe.bind(("", port))
         except OSError as error:
             raise ConfigError(
-                f"--coordinator-address: port {port} is in use on this host ({error.strerror}); stop what holds it or "
-                f"give every process another port, e.g. --coordinator-address {socket.gethostname()}:{port + 1}"
+                f"--coordinator-address: port {port} is in use on this host ({error.strerror}); "
+                "stop what holds it or give every process another port, e.g. "
+                f"--coordinator-address {socket.gethostname()}:{port + 1}"
             ) from None
 
 
@@ -1518,8 +1654,9 @@ def _wait_for_coordinator(host: str, port: int, timeout: float):
         except OSError as error:
             if time.monotonic() > deadline:
                 raise SystemExit(
-                    f"error: cannot reach the coordinator at {host}:{port} after {timeout}s ({error.strerror or error}); "
-                    "start process 0 with the same --coordinator-address, and check the host, the port and firewalls"
+                    f"error: cannot reach the coordinator at {host}:{port} after {timeout}s "
+                    f"({error.strerror or error}); start process 0 with the same "
+                    "--coordinator-address, and check the host, the port and firewalls"
                 ) from None
             time.sleep(0.5)
 
@@ -1529,12 +1666,96 @@ def is_main_process() -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
-# TFDS datasets: found, prepared on first use, checked
+# Data: the dataset --dataset names (TFDS prepared on first use), batches made ahead
 # ----------------------------------------------------------------------------------------------
 
 
+def is_text_file(dataset: str) -> bool:
+    return dataset.endswith(".txt") or os.sep in dataset or os.path.isfile(dataset)
+
+
+# Your own data plugs in here: an object with describe(), loss_floor (None if unknown) and
+# batch(step, start, stop, split), which returns rows [start, stop) of global batch `step` as
+# int32 tokens [rows, seq_len + 1], the same rows for the same arguments on any process.
+@functools.cache  # one dataset per config: setup() opens it to check it, main() reads it
+def load_dataset(config: Config):
+    if config.dataset == "synthetic":
+        return SyntheticData(config.seed, config.seq_len, config.vocab_size)
+    if is_text_file(config.dataset):
+        return TextFile(config)
+    return TextData(config, _tfds_builder(config))
+
+
+class TextData:
+    """A TFDS dataset's text feature, read as raw bytes: vocabulary 256, nothing to download.
+
+    Read through tfds.data_source (array_record files, random access, no TensorFlow). Each row
+    of a batch is a window of seq_len + 1 bytes at a place drawn from (seed, split, step, row),
+    so a run is reproducible, a resumed run sees the same data and each process reads only
+    its own rows. Records shorter than a window continue into the next ones, after a newline.
+    """
+
+    loss_floor = None  # unknown for real text
+
+    def __init__(self, config: Config, builder):
+        import tensorflow_datasets as tfds
+
+        self.seed, self.seq_len, self.key, self.cache = (
+            config.seed,
+            config.seq_len,
+            config.text_key,
+            {},
+        )
+        eval_split = "validation" if "validation" in builder.info.splits else "test"
+        self.splits = {"train": "train", "eval": eval_split}
+        self.sources = {
+            split: tfds.data_source(
+                config.dataset, split=name, data_dir=config.data_dir, download=False
+            )
+            for split, name in self.splits.items()
+        }
+        for split, source in self.sources.items():  # padding alone teaches nothing: refuse it
+            require(
+                any(len(self.text(split, record)) for record in range(len(source))),
+                "dataset",
+                f"{config.dataset} has no text in '{self.key}' of its '{self.splits[split]}' "
+                "split: every record is empty; give a dataset with text, or its text feature with "
+                "--text-key",
+            )
+        self.describe_text = (
+            f"TFDS {builder.info.full_name} '{self.key}' as bytes, held out: '{eval_split}'"
+        )
+
+    def describe(self) -> str:
+        return self.describe_text
+
+    def text(self, split: str, record: int) -> bytes:
+        if (split, record) not in self.cache:
+            if len(self.cache) > 256:
+                self.cache.clear()
+            self.cache[split, record] = self.sources[split][record][self.key]
+        return self.cache[split, record]
+
+    def batch(self, step: int, start: int, stop: int, split: str = "train") -> np.ndarray:
+        """Rows [start, stop) of batch `step` of a split ('train' or 'eval'): int32 [rows, seq_len +
+        1]."""
+        rows = []
+        for row in range(start, stop):
+            rng = np.random.default_rng((self.seed, SPLITS[split], step, row))
+            record = int(rng.integers(len(self.sources[split])))
+            text = self.text(split, record)
+            offset = int(rng.integers(max(1, len(text) - self.seq_len)))
+            window = text[offset : offset + self.seq_len + 1]
+            while len(window) < self.seq_len + 1:
+                record = (record + 1) % len(self.sources[split])
+                window += b"\n" + self.text(split, record)
+            rows.append(np.frombuffer(window[: self.seq_len + 1], np.uint8))
+        return np.stack(rows).astype(np.int32)
+
+
 class _DropTfdsWarnings(logging.Filter):
-    def filter(self, record):  # e.g. "Variant folder ... has no dataset_info.json" for a dataset not prepared
+    # e.g. "Variant folder ... has no dataset_info.json" for a dataset not prepared
+    def filter(self, record):
         return "/tensorflow_datasets/" not in record.pathname or record.levelno >= logging.ERROR
 
 
@@ -1543,7 +1764,8 @@ def _tfds_builder(config: Config):
     import tensorflow_datasets as tfds
 
     absl_logger = logging.getLogger("absl")
-    if not any(isinstance(f, _DropTfdsWarnings) for f in absl_logger.filters):  # the checks below say it better
+    # The checks below say it better
+    if not any(isinstance(f, _DropTfdsWarnings) for f in absl_logger.filters):
         absl_logger.addFilter(_DropTfdsWarnings())
 
     try:
@@ -1551,21 +1773,23 @@ def _tfds_builder(config: Config):
     except tfds.core.registered.DatasetNotFoundError:
         where = f" nor prepared in --data-dir {config.data_dir}" if config.data_dir else ""
         raise ConfigError(
-            f"--dataset {config.dataset} is neither 'synthetic' nor a TFDS dataset{where}; "
-            "e.g. --dataset tiny_shakespeare"
+            f"--dataset {config.dataset} is neither 'synthetic' nor a TFDS dataset{where}; e.g. "
+            "--dataset tiny_shakespeare"
         ) from None
     if not builder.is_prepared():
         _prepare(config, builder)
     if builder.info.file_format.value != "array_record":
         raise ConfigError(
-            f"--dataset {config.dataset} is prepared as {builder.info.file_format.value} in {builder.data_dir}; "
-            "random access needs array_record: prepare it again in another --data-dir"
+            f"--dataset {config.dataset} is prepared as {builder.info.file_format.value} in "
+            f"{builder.data_dir}; random access needs array_record: prepare it again in another "
+            "--data-dir"
         )
     features = builder.info.features
     require(
         config.text_key in features and isinstance(features[config.text_key], tfds.features.Text),
         "text_key",
-        f"{config.text_key} is not a text feature of {config.dataset}; it has {', '.join(features)}",
+        f"{config.text_key} is not a text feature of {config.dataset}; it has "
+        f"{', '.join(features)}",
     )
     require(
         "train" in builder.info.splits,
@@ -1585,22 +1809,29 @@ def _prepare(config: Config, builder):
         "prepare it where the internet is reachable (run this command there once, with the same "
         "--data-dir) or pass the downloaded files with --tfds-manual-dir"
     )
-    wanted = {info.filename or url.rsplit("/", 1)[-1]: url for url, info in (builder.url_infos or {}).items()}
+    wanted = {
+        info.filename or url.rsplit("/", 1)[-1]: url
+        for url, info in (builder.url_infos or {}).items()
+    }
     if config.tfds_manual_dir:
-        missing = [name for name in wanted if not os.path.exists(os.path.join(config.tfds_manual_dir, name))]
+        missing = [
+            name
+            for name in wanted
+            if not os.path.exists(os.path.join(config.tfds_manual_dir, name))
+        ]
         require(
             not missing or len(missing) < len(wanted),
             "tfds_manual_dir",
-            f"{config.tfds_manual_dir} holds no {', '.join(missing)}: {config.dataset} is prepared from "
-            f"{', '.join(wanted[name] for name in missing)}; download it into that folder",
+            f"{config.tfds_manual_dir} holds no {', '.join(missing)}: {config.dataset} is prepared "
+            f"from {', '.join(wanted[name] for name in missing)}; download it into that folder",
         )
     try:  # TFDS's catalogue builders read and write through TensorFlow; reading later does not
         import tensorflow  # noqa: F401
     except ImportError:
         raise ConfigError(
-            f"--dataset {config.dataset} is not prepared, and preparing it needs TensorFlow: pip install "
-            f'"{TENSORFLOW}" (only for this; training reads the prepared files without it), or prepare it elsewhere '
-            "and pass its --data-dir"
+            f"--dataset {config.dataset} is not prepared, and preparing it needs TensorFlow: pip "
+            f'install "{TENSORFLOW}" (only for this; training reads the prepared files without '
+            "it), or prepare it elsewhere and pass its --data-dir"
         ) from None
     if is_main_process():
         print(f"preparing TFDS {config.dataset} in {builder.data_dir} (first use only)", flush=True)
@@ -1611,7 +1842,9 @@ def _prepare(config: Config, builder):
     before = {path for path in _tree(data_dir)}
     try:
         _hide_gpus_from_tensorflow()
-        builder.download_and_prepare(download_config=tfds.download.DownloadConfig(manual_dir=config.tfds_manual_dir))
+        builder.download_and_prepare(
+            download_config=tfds.download.DownloadConfig(manual_dir=config.tfds_manual_dir)
+        )
     except Exception as error:  # no network, no TensorFlow, a bad manual file, ...
         # What the failed attempt left: partial files, then the folders it made that are empty.
         for path in sorted(set(_tree(data_dir)) - before, reverse=True):
@@ -1621,7 +1854,9 @@ def _prepare(config: Config, builder):
                 os.rmdir(path)
         reason = " ".join(str(error).split()) or type(error).__name__
         if isinstance(error, tfds.core.download.download_manager.NonMatchingChecksumError):
-            reason = f"a downloaded file is not the one {config.dataset} expects: its checksum differs"
+            reason = (
+                f"a downloaded file is not the one {config.dataset} expects: its checksum differs"
+            )
         raise ConfigError(
             f"--dataset {config.dataset} is not prepared and preparing it failed ({reason}); {how}"
         ) from None
@@ -1629,7 +1864,9 @@ def _prepare(config: Config, builder):
 
 def _tree(folder: str) -> list:
     """Every file and folder below `folder`."""
-    return [os.path.join(root, name) for root, dirs, files in os.walk(folder) for name in dirs + files]
+    return [
+        os.path.join(root, name) for root, dirs, files in os.walk(folder) for name in dirs + files
+    ]
 
 
 TENSORFLOW = "tensorflow-cpu==2.21.0"  # tested with the other pins; not in requirements.txt
@@ -1642,6 +1879,68 @@ def _hide_gpus_from_tensorflow():
     tf.config.set_visible_devices([], "GPU")
 
 
+def eval_batches(dataset, config: Config) -> list:
+    """This process's share of the held-out batches: the same ones at every evaluation; none
+    when the run never evaluates."""
+    if not config.eval_every:
+        return []
+    return [host_batch(dataset, config, i, "eval") for i in range(config.eval_batches)]
+
+
+def train_batches(dataset, config: Config, start: int, log: "Logger"):
+    """(step, this process's share of batch `step`) for the steps from `start` to --steps, made
+    --prefetch batches ahead in a thread while the steps run, so the loop does not wait for the
+    host (a batch depends only on its step: which thread makes it changes nothing). The time the
+    loop still waits for each batch goes into log.data_seconds."""
+    steps = range(start, config.steps)
+    if not config.prefetch:
+        made = ((step, host_batch(dataset, config, step)) for step in steps)
+    else:
+        ready, stopped = queue.Queue(config.prefetch), threading.Event()
+
+        def make():
+            for step in steps:
+                try:
+                    item = (step, host_batch(dataset, config, step))
+                # Raised in the loop instead, where the run handles it
+                except BaseException as error:
+                    item = (step, error)
+                while not stopped.is_set():
+                    try:
+                        ready.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stopped.is_set() or isinstance(item[1], BaseException):
+                    return
+
+        thread = threading.Thread(target=make, name="prefetch", daemon=True)
+        thread.start()
+        made = (ready.get() for _ in steps)
+    try:
+        while True:
+            began = time.perf_counter()
+            step, rows = next(made, (None, None))
+            if step is None:
+                return
+            log.data_seconds.append(time.perf_counter() - began)
+            if isinstance(rows, BaseException):
+                raise rows
+            yield step, rows
+    finally:  # the loop ended, or stopped early (Ctrl-C, an error): the thread stops too
+        if config.prefetch:
+            stopped.set()
+            thread.join(timeout=10)  # at most one batch being made, unless reading it hangs
+
+
+def batch_shape(config: Config, sharding) -> jax.ShapeDtypeStruct:
+    """The global batch's shape, laid out by `sharding`, without building it: what the train
+    step is compiled for before any data exists."""
+    return jax.ShapeDtypeStruct(
+        (config.batch_size, config.seq_len + 1), jnp.int32, sharding=sharding
+    )
+
+
 # ----------------------------------------------------------------------------------------------
 # Checkpoints: one layout for every script, so that any script resumes any other's run
 # ----------------------------------------------------------------------------------------------
@@ -1652,10 +1951,25 @@ def _hide_gpus_from_tensorflow():
 # so. Every other flag (the strategy, its mesh, the devices and processes, logging, how often
 # to save) may change freely: a checkpoint holds global arrays, whatever wrote them.
 SHAPE_FLAGS = ("layers", "d_model", "heads", "seq_len", "vocab_size", "scan_layers", "experts")
+
+
 TRAJECTORY_FLAGS = (
-    "steps", "batch_size", "lr", "warmup_steps", "weight_decay", "clip_norm", "seed", "dropout", "dtype",
-    "microbatches", "dataset", "text_key", "top_k", "capacity_factor", "router_aux_weight",
-)  # fmt: skip
+    "steps",
+    "batch_size",
+    "lr",
+    "warmup_steps",
+    "weight_decay",
+    "clip_norm",
+    "seed",
+    "dropout",
+    "dtype",
+    "microbatches",
+    "dataset",
+    "text_key",
+    "top_k",
+    "capacity_factor",
+    "router_aux_weight",
+)
 
 
 def saved_as_is(state):
@@ -1683,9 +1997,15 @@ class Checkpoints:
     finish, save it and stop the run; a second Ctrl-C stops at once.
     """
 
-    def __init__(self, config: Config, to_saved: Callable = saved_as_is, from_saved: Callable = restored_as_is):
+    def __init__(
+        self,
+        config: Config,
+        to_saved: Callable = saved_as_is,
+        from_saved: Callable = restored_as_is,
+    ):
         self.config, self.to_saved, self.from_saved = config, to_saved, from_saved
-        self.checkpointer, self.saving = None, None  # saving: (step, Orbax's response) of the save under way
+        # Saving: (step, Orbax's response) of the save under way
+        self.checkpointer, self.saving = (None, None)
         self.failed = False
         self.stop_signal = None
         # With several processes, JAX's preemption service owns SIGTERM: it tells every process
@@ -1707,10 +2027,15 @@ class Checkpoints:
     def _on_signal(self, signum, frame):
         name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
         if self.stop_signal is not None:
-            return  # a second signal: the listening thread stops the run (_hear_signals_while_stuck)
+            # A second signal: the listening thread stops the run (_hear_signals_while_stuck)
+            return
         self.stop_signal = signum
-        what = "save and stop" if self.checkpointer else "stop (no --checkpoint-dir: nothing is saved)"
-        print(f"{name}: the run will finish its step, {what}; {name} again stops at once", flush=True)
+        what = (
+            "save and stop" if self.checkpointer else "stop (no --checkpoint-dir: nothing is saved)"
+        )
+        print(
+            f"{name}: the run will finish its step, {what}; {name} again stops at once", flush=True
+        )
         if jax.process_count() > 1:  # tell the other processes, through JAX's preemption service
             os.kill(os.getpid(), signal.SIGTERM)
 
@@ -1745,26 +2070,51 @@ class Checkpoints:
         if self.checkpointer is None or not self.checkpointer.checkpoints:
             return state, 0
         target = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.to_saved(state)
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+            self.to_saved(state),
         )
         failures = []
         for step in sorted((c.step for c in self.checkpointer.checkpoints), reverse=True):
             try:
-                saved, error = self.checkpointer.load(step, target), None
-                if not all_finite(saved):  # saved by an older version, or damaged in a way Orbax cannot see
+                saved, error = self._load(step, target), None
+                # Saved by an older version, or damaged in a way Orbax cannot see
+                if not all_finite(saved):
                     saved, error = None, ValueError("it holds non-finite values")
             except Exception as exception:  # Orbax's errors have no common type
                 saved, error = None, exception
             if all_processes_agree(error is None):
                 done = " (--steps reached: nothing to train)" if step >= self.config.steps else ""
-                log_print(f"resumed from the checkpoint of step {step} in {self.config.checkpoint_dir}{done}")
+                log_print(
+                    f"resumed from the checkpoint of step {step} in "
+                    f"{self.config.checkpoint_dir}{done}"
+                )
                 return self.from_saved(saved, state), step
             failures.append(f"{step}: {_checkpoint_problem(error)}")
             self._set_aside(step, failures[-1])
         exit_bad_input(
-            f"--checkpoint-dir {self.config.checkpoint_dir} holds no readable checkpoint ({'; '.join(failures)}); "
-            "give another folder, e.g. --checkpoint-dir runs/new"
+            f"--checkpoint-dir {self.config.checkpoint_dir} holds no readable checkpoint "
+            f"({'; '.join(failures)}); give another folder, e.g. --checkpoint-dir runs/new"
         )
+
+    def _load(self, step: int, target):
+        """Checkpoint `step`, read into the layout of `target`. One written before clipping
+        left the optimizer kept the last clipping norm in front of AdamW's state: if the layout
+        of today does not read, that one is tried, and the norm, which the run does not need,
+        dropped; if neither reads, the error is today's."""
+        try:
+            return self.checkpointer.load(step, target)
+        except Exception as error:  # Orbax's errors have no common type
+            failure = error
+        norm = jax.ShapeDtypeStruct((), jnp.float32, sharding=target.step.sharding)
+        try:
+            saved = self.checkpointer.load(
+                step, target.replace(opt_state=({"norm": norm}, target.opt_state))
+            )
+        except Exception:
+            saved = None
+        if saved is None:
+            raise failure
+        return saved.replace(opt_state=saved.opt_state[1])
 
     def _set_aside(self, step: int, problem: str):
         """Move an unreadable checkpoint out of Orbax's way, to `STEP.unreadable`: left in place,
@@ -1776,7 +2126,10 @@ class Checkpoints:
             while os.path.exists(aside):
                 suffix, aside = suffix + 1, f"{folder}.unreadable{suffix + 1}"
             os.rename(folder, aside)
-            print(f"the checkpoint of step {problem}; moved it to {aside} and tried the one before", flush=True)
+            print(
+                f"the checkpoint of step {problem}; moved it to {aside} and tried the one before",
+                flush=True,
+            )
         if jax.process_count() > 1:
             multihost_utils.sync_global_devices(f"set aside checkpoint {step}")
         self.checkpointer.reload()
@@ -1789,14 +2142,22 @@ class Checkpoints:
         if jax.process_count() > 1:  # every process stops at the same step, the one they agree on
             stop = multihost_utils.reached_preemption_sync_point(done)
         self._check_last_save(wait=False)
-        if self.checkpointer and (stop or done % self.config.checkpoint_every == 0 or done == self.config.steps):
+        if self.checkpointer and (
+            stop or done % self.config.checkpoint_every == 0 or done == self.config.steps
+        ):
             log.losses.fetch()  # stops at a non-finite loss
-            if not all_finite(self.to_saved(state)):  # an update can overflow while the loss before it did not
+            # An update can overflow while the loss before it did not
+            if not all_finite(self.to_saved(state)):
                 saved = checkpoint_steps(self.config.checkpoint_dir)
-                kept = f"the newest checkpoint is of step {saved[0]}" if saved else "no checkpoint was saved"
+                kept = (
+                    f"the newest checkpoint is of step {saved[0]}"
+                    if saved
+                    else "no checkpoint was saved"
+                )
                 raise SystemExit(
-                    f"stopped: the state after step {done} holds non-finite values (the loss before it was "
-                    f"{log.losses.values[-1]:.4f}); it was not saved, {kept}; try a lower --lr or --clip-norm"
+                    f"stopped: the state after step {done} holds non-finite values (the loss "
+                    f"before it was {log.losses.values[-1]:.4f}); it was not saved, {kept}; try a "
+                    "lower --lr or --clip-norm"
                 )
             self._check_last_save(wait=True)
             flags = {name: getattr(self.config, name) for name in SHAPE_FLAGS + TRAJECTORY_FLAGS}
@@ -1808,7 +2169,11 @@ class Checkpoints:
                 self._fail(done, error)
             self.saving = (done, response)
         if stop:
-            saved = f"saved the checkpoint of step {done}" if self.checkpointer else f"at step {done}, nothing saved"
+            saved = (
+                f"saved the checkpoint of step {done}"
+                if self.checkpointer
+                else f"at step {done}, nothing saved"
+            )
             log.print(f"stopped: {saved}")
         return stop
 
@@ -1840,7 +2205,8 @@ class Checkpoints:
             signal.signal(signum, handler)
         read, write, previous_fd = self.wakeup
         signal.set_wakeup_fd(previous_fd)
-        os.close(write)  # ends the listening thread (its read returns nothing); it closes nothing else
+        # Ends the listening thread (its read returns nothing); it closes nothing else
+        os.close(write)
         if not self.checkpointer:
             return
         try:
@@ -1899,7 +2265,11 @@ def _quiet_orbax():
     default_hook = sys.unraisablehook
 
     def unraisable_hook(unraisable):
-        where = "".join(traceback.format_tb(unraisable.exc_traceback)) if unraisable.exc_traceback else ""
+        where = (
+            "".join(traceback.format_tb(unraisable.exc_traceback))
+            if unraisable.exc_traceback
+            else ""
+        )
         if "/orbax/" not in where and "Event loop is closed" not in str(unraisable.exc_value):
             default_hook(unraisable)
 
@@ -1950,14 +2320,16 @@ def hold_folder(folder: str):
         holder = lock.read().strip() or "another run"
         lock.close()
         raise ConfigError(
-            f"--checkpoint-dir {folder} is in use by {holder}; one run at a time per folder: wait for it to end, "
-            "or give another folder, e.g. --checkpoint-dir runs/new"
+            f"--checkpoint-dir {folder} is in use by {holder}; one run at a time per folder: wait "
+            "for it to end, or give another folder, e.g. --checkpoint-dir runs/new"
         ) from None
     except OSError:  # a file system without locks (some network ones): run unprotected
         return
     lock.seek(0)
     lock.truncate()
-    lock.write(f"a run on host {socket.gethostname()}, process id {os.getpid()}, started {time.ctime()}\n")
+    lock.write(
+        f"a run on host {socket.gethostname()}, process id {os.getpid()}, started {time.ctime()}\n"
+    )
     lock.flush()
     _HELD[path] = lock
 
@@ -1969,9 +2341,13 @@ def release_folder(folder: str):
 
 
 def checkpoint_steps(folder: str) -> list:
-    """The steps of the checkpoints in a folder (its sub-folders named by a number), newest first."""
+    """The steps of the checkpoints in a folder (its sub-folders named by a number), newest
+    first."""
     names = os.listdir(folder) if os.path.isdir(folder) else []
-    return sorted((int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(folder, n))), reverse=True)
+    return sorted(
+        (int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(folder, n))),
+        reverse=True,
+    )
 
 
 def check_checkpoint(config: Config):
@@ -1985,10 +2361,12 @@ def check_checkpoint(config: Config):
     steps = checkpoint_steps(folder)
     if not steps:
         return
-    if not any(os.path.exists(os.path.join(folder, str(step), "_CHECKPOINT_METADATA")) for step in steps):
+    if not any(
+        os.path.exists(os.path.join(folder, str(step), "_CHECKPOINT_METADATA")) for step in steps
+    ):
         raise ConfigError(
-            f"--checkpoint-dir {folder} holds folders named {', '.join(map(str, sorted(steps)))} that are not checkpoints; "
-            "give an empty or new folder, e.g. --checkpoint-dir runs/new"
+            f"--checkpoint-dir {folder} holds folders named {', '.join(map(str, sorted(steps)))} "
+            "that are not checkpoints; give an empty or new folder, e.g. --checkpoint-dir runs/new"
         )
     from orbax.checkpoint import v1 as ocp
 
@@ -2012,8 +2390,9 @@ def _compare_with_checkpoint(config: Config, step: int, flags: dict, saved_param
             require(
                 False,
                 name,
-                f"{getattr(config, name)} differs from {flags[name]} in {where}, which changes what its weights "
-                f"mean; resume with --{name.replace('_', '-')} {flags[name]} or give another --checkpoint-dir",
+                f"{getattr(config, name)} differs from {flags[name]} in {where}, which changes "
+                f"what its weights mean; resume with --{name.replace('_', '-')} {flags[name]} or "
+                "give another --checkpoint-dir",
             )
     expected = jax.eval_shape(lambda: nn.unbox(init_params(make_model(config), jax.random.key(0))))
 
@@ -2028,8 +2407,8 @@ def _compare_with_checkpoint(config: Config, step: int, flags: dict, saved_param
         if saved.get(name) != expected.get(name):
             raise ConfigError(
                 f"--checkpoint-dir {config.checkpoint_dir} holds another model: {name} is "
-                f"{saved.get(name, 'absent')} there but {expected.get(name, 'absent')} here "
-                "(check --layers, --d-model, --heads, --seq-len, --scan-layers, --experts)"
+                f"{saved.get(name, 'absent')} there but {expected.get(name, 'absent')} here (check "
+                "--layers, --d-model, --heads, --seq-len, --scan-layers, --experts)"
             )
     changed = [
         f"--{name.replace('_', '-')} {flags[name]} -> {getattr(config, name)}"
@@ -2044,7 +2423,9 @@ def _compare_with_checkpoint(config: Config, step: int, flags: dict, saved_param
 # What a run costs, measured from the real arrays and the compiled step
 # ----------------------------------------------------------------------------------------------
 
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+
 
 # Dense bf16 peak FLOP/s of one device, by jax.Device.device_kind; the first match wins.
 PEAK_FLOPS = (
@@ -2093,6 +2474,8 @@ def bytes_on_device(x, device) -> int:
 
 
 _ARRAY = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")  # f32[64,128], bf16[], pred[8]
+
+
 _CALLS = re.compile(r"\b(body|condition|calls|to_apply|branch_computations)=\{?%([\w.\-]+)")
 
 
@@ -2155,7 +2538,12 @@ def hlo_collectives(hlo_text: str) -> list:
                 # An async start's result holds its operands too, then the outputs.
                 result_bytes = sizes[name] - (operand_bytes if opcode.endswith("-start") else 0)
                 found.append(
-                    {"op": op, "runs": runs(computation), "bytes": max(operand_bytes, result_bytes), "line": line}
+                    {
+                        "op": op,
+                        "runs": runs(computation),
+                        "bytes": max(operand_bytes, result_bytes),
+                        "line": line,
+                    }
                 )
     return found
 
@@ -2177,7 +2565,9 @@ def cost_report(config: Config, state, compiled, compile_seconds: float) -> dict
         "param_count": sum(x.size for x in jax.tree.leaves(params)),
         "param_bytes": sum(map(nbytes, jax.tree.leaves(params))),
         "flops_per_token": flops_per_token(config, params),
-        "state_bytes_total": sum(map(nbytes, jax.tree.leaves(nn.unbox((full.params, full.opt_state))))),
+        "state_bytes_total": sum(
+            map(nbytes, jax.tree.leaves(nn.unbox((full.params, full.opt_state))))
+        ),
         "state_bytes_per_device": sum(bytes_on_device(x, device) for x in leaves),
         "compile_seconds": compile_seconds,
         "compiled_argument_bytes": getattr(memory, "argument_size_in_bytes", None),
@@ -2195,16 +2585,28 @@ def show_sharding(params):
         for path, x in jax.tree_util.tree_leaves_with_path(nn.unbox(params))
     ]
     rows = [
-        (name, str(x.shape), str(getattr(x.sharding, "spec", x.sharding)), bytes_on_device(x, device))
+        (
+            name,
+            str(x.shape),
+            str(getattr(x.sharding, "spec", x.sharding)),
+            bytes_on_device(x, device),
+        )
         for name, x in leaves
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    print("parameter".ljust(widths[0]), "shape".ljust(widths[1]), "spec".ljust(widths[2]), "bytes/device")
+    print(
+        "parameter".ljust(widths[0]),
+        "shape".ljust(widths[1]),
+        "spec".ljust(widths[2]),
+        "bytes/device",
+    )
     for name, shape, spec, size in rows:
         print(name.ljust(widths[0]), shape.ljust(widths[1]), spec.ljust(widths[2]), f"{size:,}")
     # The drawing: the largest matrix the strategy splits (the first of equals), or the largest.
     drawable = {name: x for name, x in leaves if x.ndim == 2}
-    split = {name: x for name, x in drawable.items() if not x.sharding.is_fully_replicated} or drawable
+    split = {
+        name: x for name, x in drawable.items() if not x.sharding.is_fully_replicated
+    } or drawable
     name = max(split, key=lambda n: split[n].size, default=None)
     if name:
         print(f"{name} {drawable[name].shape} over the devices:")
@@ -2218,14 +2620,23 @@ def _megabytes(n) -> str:
 def report_lines(summary: dict) -> str:
     """The end-of-run report, for people; --metrics-file has the same numbers for programs."""
     per_device, total = summary["state_bytes_per_device"], summary["state_bytes_total"]
-    used = [f"{op} {c['count']} ({_megabytes(c['bytes'])})" for op, c in summary["collectives"].items() if c["count"]]
-    mfu = f"MFU {summary['mfu']:.1%}" if summary["mfu"] is not None else f"MFU n/a on {summary['platform']}"
+    used = [
+        f"{op} {c['count']} ({_megabytes(c['bytes'])})"
+        for op, c in summary["collectives"].items()
+        if c["count"]
+    ]
+    mfu = (
+        f"MFU {summary['mfu']:.1%}"
+        if summary["mfu"] is not None
+        else f"MFU n/a on {summary['platform']}"
+    )
     return (
         f"state: {_megabytes(per_device)} per device of {_megabytes(total)} "
-        f"({per_device * summary['devices'] / total:.2f} x total/devices) | compiled step: arguments "
-        f"{_megabytes(summary['compiled_argument_bytes'])}, temporaries {_megabytes(summary['compiled_temp_bytes'])}\n"
-        f"collectives per step and device: {', '.join(used) or 'none'}\n"
-        f"compile {summary['compile_seconds']:.1f}s | {summary['flops_per_token'] / 1e6:.1f} MFLOP/token | {mfu}"
+        f"({per_device * summary['devices'] / total:.2f} x total/devices) | compiled step: "
+        f"arguments {_megabytes(summary['compiled_argument_bytes'])}, temporaries "
+        f"{_megabytes(summary['compiled_temp_bytes'])}\ncollectives per step and device: "
+        f"{', '.join(used) or 'none'}\ncompile {summary['compile_seconds']:.1f}s | "
+        f"{summary['flops_per_token'] / 1e6:.1f} MFLOP/token | {mfu}"
     )
 
 
@@ -2253,7 +2664,9 @@ def compile_step(step_fn, *args):
     start = time.perf_counter()
     # pmap's functions (which have no .trace) take no compiler options: pmap_dp.py's loop runs
     # the program pmap compiles with XLA's defaults, so that is the one to compile and report.
-    options = CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" and hasattr(step_fn, "trace") else {}
+    options = (
+        CPU_COMPILER_OPTIONS if jax.default_backend() == "cpu" and hasattr(step_fn, "trace") else {}
+    )
     compiled = step_fn.lower(*args).compile(compiler_options=options)
     seconds = time.perf_counter() - start
     check_memory(compiled)
@@ -2270,7 +2683,9 @@ def device_memory() -> int | None:
         return stats["bytes_limit"]
     try:
         with open("/proc/meminfo") as meminfo:
-            available = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:"))
+            available = next(
+                int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemAvailable:")
+            )
     except (OSError, StopIteration):
         return None
     return available // jax.local_device_count()
@@ -2286,10 +2701,11 @@ def check_memory(compiled):
     need = state + memory.temp_size_in_bytes
     if need > have:
         exit_bad_input(
-            f"the train step needs {_gigabytes(need)} per device (arguments and results {_gigabytes(state)}, "
-            f"activations and other temporaries {_gigabytes(memory.temp_size_in_bytes)}) but a "
-            f"{jax.local_devices()[0].platform} device has {_gigabytes(have)}; activations shrink with a smaller "
-            "--batch-size or --seq-len, with --microbatches and --remat; the state with a smaller --d-model or "
+            f"the train step needs {_gigabytes(need)} per device (arguments and results "
+            f"{_gigabytes(state)}, activations and other temporaries "
+            f"{_gigabytes(memory.temp_size_in_bytes)}) but a {jax.local_devices()[0].platform} "
+            f"device has {_gigabytes(have)}; activations shrink with a smaller --batch-size or "
+            "--seq-len, with --microbatches and --remat; the state with a smaller --d-model or "
             "--layers, or by sharding it over more devices (fsdp.py, logical_pjit.py --rules fsdp)"
         )
 
@@ -2359,9 +2775,9 @@ class Watchdog:
         while not self.stopped.wait(min(1.0, self.seconds / 4)):
             if time.monotonic() - self.last > self.seconds:
                 print(
-                    f"error: no progress for {self.seconds}s after {self.what}: a step is stuck (on emulated CPU "
-                    "devices, a collective that one device never joined); stopping, the checkpoints saved so far "
-                    "are kept (see --stall-timeout)",
+                    f"error: no progress for {self.seconds}s after {self.what}: a step is stuck "
+                    "(on emulated CPU devices, a collective that one device never joined); "
+                    "stopping, the checkpoints saved so far are kept (see --stall-timeout)",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -2372,7 +2788,9 @@ def stop_if_not_finite(loss: float, step: int, losses: list):
     """Stop the run (exit 1) at a non-finite loss, before anything after it is saved."""
     if not math.isfinite(loss):
         last = f"; the last finite loss was {losses[-1]:.4f}" if losses else ""
-        raise SystemExit(f"stopped: the loss is {loss} at step {step + 1}{last}; nothing more was saved")
+        raise SystemExit(
+            f"stopped: the loss is {loss} at step {step + 1}{last}; nothing more was saved"
+        )
 
 
 class StepLosses:
@@ -2411,7 +2829,8 @@ def routing(metrics, layers: int) -> dict:
     """A step's routing, from its summed metrics: the load-balancing loss (per token, as the
     loss), the fewest and the most tokens an expert got in a block (the mean over blocks), and
     the share of top-k choices dropped for want of capacity."""
-    per_expert = np.asarray(metrics["expert_tokens"].addressable_data(0))  # one replica, as host_value
+    # One replica, as host_value
+    per_expert = np.asarray(metrics["expert_tokens"].addressable_data(0))
     per_expert = per_expert.reshape(-1, per_expert.shape[-1])[0] / layers
     dropped = host_value(metrics["dropped_tokens"])
     return {
@@ -2478,7 +2897,11 @@ class Logger:
         self.config, self.dataset, self.report, self.start = config, dataset, report, start
         self.tokens_per_step = config.batch_size * config.seq_len
         self.watchdog = Watchdog(config.stall_timeout)
-        self.losses, self.step_seconds, self.eval_loss = StepLosses(self.watchdog, config.layers), [], None
+        self.losses, self.step_seconds, self.eval_loss = (
+            StepLosses(self.watchdog, config.layers),
+            [],
+            None,
+        )
         self.data_seconds = []  # per step, how long the loop waited for its batch (train_batches)
         self.file, self.earlier = None, []  # earlier: the records of the steps before `start`
         if config.metrics_file and is_main_process():
@@ -2493,11 +2916,9 @@ class Logger:
         }
         self.print(
             f"{len(devices)} {devices[0].platform} devices in {jax.process_count()} process(es) | "
-            f"{layout} | {report['param_count'] / 1e6:.2f}M parameters\n"
-            f"batch {config.batch_size} x {config.seq_len} tokens "
-            f"({config.batch_size // config.batch_shards()} per device) | "
-            f"{dataset.describe()}\n"
-            f"compiled the train step in {report['compile_seconds']:.1f}s"
+            f"{layout} | {report['param_count'] / 1e6:.2f}M parameters\nbatch {config.batch_size} "
+            f"x {config.seq_len} tokens ({config.batch_size // config.batch_shards()} per device) "
+            f"| {dataset.describe()}\ncompiled the train step in {report['compile_seconds']:.1f}s"
         )
         if config.show_sharding and is_main_process():
             show_sharding(params)
@@ -2522,7 +2943,10 @@ class Logger:
         if self.profiling and step == self.profiling[-1]:
             wait_until_ready(metrics)  # the traced steps have run
             jax.profiler.stop_trace()
-            self.print(f"profile of steps {self.profiling[0] + 1}-{step + 1} written to {self.config.profile}")
+            self.print(
+                f"profile of steps {self.profiling[0] + 1}-{step + 1} written to "
+                f"{self.config.profile}"
+            )
             self.profiling = range(0)
 
     def log(self, step: int, metrics):
@@ -2548,12 +2972,13 @@ class Logger:
         if self.losses.router:
             record.update(self.losses.router[-1])
             routing = (
-                f"aux {record['aux_loss']:.4f} | expert tokens {record['expert_tokens_min']:.0f}-"
-                f"{record['expert_tokens_max']:.0f}, {record['dropped_share']:.1%} dropped | "
+                f"aux {record['aux_loss']:.4f} | expert tokens "
+                f"{record['expert_tokens_min']:.0f}-{record['expert_tokens_max']:.0f}, "
+                f"{record['dropped_share']:.1%} dropped | "
             )
         self.print(
-            f"step {step + 1:>{len(str(self.config.steps))}}/{self.config.steps} | "
-            f"loss {loss:.4f} | grad norm {record['grad_norm']:.3f} | {routing}{record['tokens_per_sec']:,.0f} "
+            f"step {step + 1:>{len(str(self.config.steps))}}/{self.config.steps} | loss {loss:.4f} "
+            f"| grad norm {record['grad_norm']:.3f} | {routing}{record['tokens_per_sec']:,.0f} "
             f"tokens/s | ETA {eta // 60:.0f}:{eta % 60:02.0f}"
         )
         self.write(record)
@@ -2568,7 +2993,10 @@ class Logger:
             host_value(metrics["loss_sum"])
         start = time.perf_counter()
         self.watchdog.beat(f"step {step + 1}, evaluating")
-        fetched = [(host_value(m["loss_sum"]), host_value(m["tokens"])) for m in (eval_fn(state, b) for b in batches)]
+        fetched = [
+            (host_value(m["loss_sum"]), host_value(m["tokens"]))
+            for m in (eval_fn(state, b) for b in batches)
+        ]
         self.watchdog.beat(f"the evaluation at step {step + 1}")
         self.eval_loss = sum(loss for loss, _ in fetched) / sum(tokens for _, tokens in fetched)
         self.last_time += time.perf_counter() - start
@@ -2584,8 +3012,8 @@ class Logger:
         except OSError as error:
             self.file = None
             raise SystemExit(
-                f"error: could not write --metrics-file {self.config.metrics_file} ({error.strerror or error}); "
-                "its records so far and the checkpoints are kept"
+                f"error: could not write --metrics-file {self.config.metrics_file} "
+                f"({error.strerror or error}); its records so far and the checkpoints are kept"
             ) from None
 
     def finish(self, state, compiled) -> "Result":
@@ -2609,7 +3037,9 @@ class Logger:
             "steps": self.start + steps,
             "resumed_from": self.start or None,
             "final_loss": (earlier_losses + losses or [None])[-1],
-            "eval_loss": self.eval_loss if self.eval_loss is not None else (earlier_evals or [None])[-1],
+            "eval_loss": self.eval_loss
+            if self.eval_loss is not None
+            else (earlier_evals or [None])[-1],
             "loss_floor": getattr(self.dataset, "loss_floor", None),
             "tokens_per_sec": tokens_per_sec,
             "step_seconds": step_seconds,
@@ -2620,11 +3050,13 @@ class Logger:
             **self.report,
         }
         if steps:  # not when resumed at or after --steps
-            floor = f" (floor {summary['loss_floor']:.4f})" if summary["loss_floor"] is not None else ""
+            floor = (
+                f" (floor {summary['loss_floor']:.4f})" if summary["loss_floor"] is not None else ""
+            )
             self.print(
-                f"done: final loss {summary['final_loss']:.4f}{floor}, "
-                f"{tokens_per_sec:,.0f} tokens/s, {step_seconds * 1e3:.1f} ms/step, "
-                f"{data_seconds * 1e3:.2f} ms/step waiting for data"
+                f"done: final loss {summary['final_loss']:.4f}{floor}, {tokens_per_sec:,.0f} "
+                f"tokens/s, {step_seconds * 1e3:.1f} ms/step, {data_seconds * 1e3:.2f} ms/step "
+                "waiting for data"
             )
             self.print(report_lines(summary))
         self.write({"summary": summary})

@@ -10,7 +10,9 @@ scripts' subprocesses inherit the setting.
 import os
 import tempfile
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+).strip()
 # Many runs compile the same programs (a resumed run, the same script in another test, the
 # processes of a multi-process run): a compilation cache for this session, shared with the
 # scripts' subprocesses, compiles each once.
@@ -22,6 +24,7 @@ import jax  # noqa: E402
 
 import common  # noqa: E402
 
-# As the scripts do (common.cpu_client_threads): enough threads that XLA's CPU client cannot deadlock.
+# As the scripts do (common.cpu_client_threads): enough threads that XLA's CPU client cannot
+# deadlock.
 os.environ.setdefault("PJRT_NPROC", str(common.cpu_client_threads(8)))
 jax.config.update("jax_num_cpu_devices", 8)

@@ -36,6 +36,7 @@ import dataclasses
 import functools
 
 import jax
+import optax
 from jax import lax
 
 import common
@@ -48,12 +49,16 @@ from jax.sharding import PartitionSpec as P
 
 @dataclasses.dataclass(frozen=True)
 class Config(common.Config):
-    mesh: str = common.arg("auto", "mesh axis sizes, e.g. data=2,context=4; 'auto' gives that on 8 devices")
+    mesh: str = common.arg(
+        "auto", "mesh axis sizes, e.g. data=2,context=4; 'auto' gives that on 8 devices"
+    )
 
     def mesh_axes(self):
         n = jax.device_count()
         context = max(c for c in (1, 2, 4) if n % c == 0 and c <= max(1, n // 2))
-        return common.mesh_shape(self.mesh, ("data", "context"), {"data": n // context, "context": context})
+        return common.mesh_shape(
+            self.mesh, ("data", "context"), {"data": n // context, "context": context}
+        )
 
     def batch_shards(self):
         return self.mesh_axes()["data"]
@@ -61,25 +66,31 @@ class Config(common.Config):
     def validate(self):
         super().validate()
         common.require(
-            self.attention != "cudnn", "attention", "cudnn: context_parallel.py computes attention itself, block by "
-            "block around the ring, e.g. --attention auto"
-        )  # fmt: skip
+            self.attention != "cudnn",
+            "attention",
+            "cudnn: context_parallel.py computes attention itself, block by block around the "
+            "ring, e.g. --attention auto",
+        )
         pieces = 2 * self.mesh_axes()["context"]
         common.require(
             self.seq_len % pieces == 0,
             "seq_len",
-            f"must split into 2 x context = {pieces} equal pieces, e.g. --seq-len {pieces * max(1, self.seq_len // pieces)}",
+            f"must split into 2 x context = {pieces} equal pieces, e.g. --seq-len "
+            f"{pieces * max(1, self.seq_len // pieces)}",
         )
 
 
 def make_mesh(config):
     shape = config.mesh_axes()
     # Auto axes: the compiler may place whatever the specs below leave unsaid.
-    return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    return jax.make_mesh(
+        tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
 
 
 STATE_SPEC = P()  # replicated: every device holds the whole TrainState
-BATCH_SPEC = P("data", None, "context")  # [rows, (inputs, labels), length]: rows over 'data', length over 'context'
+# [rows, (inputs, labels), length]: rows over 'data', length over 'context'
+BATCH_SPEC = P("data", None, "context")
 
 
 def pieces_of(device, devices):
@@ -106,7 +117,10 @@ def attention_work(devices, balanced=True):
     pairs the causal mask does not hide entirely. Balanced: 2N + 1 on every device; with
     contiguous pieces, device c would do 4c + 3."""
     held = [pieces_of(d, devices) if balanced else (2 * d, 2 * d + 1) for d in range(devices)]
-    return [sum(k <= q for q in held[d] for source in range(devices) for k in held[source]) for d in range(devices)]
+    return [
+        sum(k <= q for q in held[d] for source in range(devices) for k in held[source])
+        for d in range(devices)
+    ]
 
 
 def ring_attention(q, k, v):
@@ -145,7 +159,9 @@ def ring_attention(q, k, v):
                     running_max, running_sum, out = running
                     scores = jnp.einsum("bqhd,bkhd->bhqk", q[:, rows], k[:, cols]) * scale
                     # Within a piece paired with itself, a query sees only the keys up to its own.
-                    visible = (q_piece > k_piece) | (jnp.arange(piece)[:, None] >= jnp.arange(piece)[None, :])
+                    visible = (q_piece > k_piece) | (
+                        jnp.arange(piece)[:, None] >= jnp.arange(piece)[None, :]
+                    )
                     scores = jnp.where(visible, scores, -jnp.inf)
                     new_max = jnp.maximum(running_max[..., rows], scores.max(-1))
                     rescale = jnp.exp(running_max[..., rows] - new_max)
@@ -153,8 +169,12 @@ def ring_attention(q, k, v):
                     block_out = jnp.einsum("bhqk,bkhd->bqhd", weights, v[:, cols])
                     return (
                         running_max.at[..., rows].set(new_max),
-                        running_sum.at[..., rows].set(running_sum[..., rows] * rescale + weights.sum(-1)),
-                        out.at[:, rows].set(out[:, rows] * jnp.swapaxes(rescale, 1, 2)[..., None] + block_out),
+                        running_sum.at[..., rows].set(
+                            running_sum[..., rows] * rescale + weights.sum(-1)
+                        ),
+                        out.at[:, rows].set(
+                            out[:, rows] * jnp.swapaxes(rescale, 1, 2)[..., None] + block_out
+                        ),
                     )
 
                 # A key piece after the query piece is hidden entirely: skip the block.
@@ -168,8 +188,11 @@ def ring_attention(q, k, v):
         running = attend_block(running, k, v, hop)
         return (running, lax.ppermute(k, "context", ring), lax.ppermute(v, "context", ring)), None
 
-    (running, k, v), _ = lax.scan(hop, ((running_max, running_sum, out), k, v), jnp.arange(devices - 1))
-    running_max, running_sum, out = attend_block(running, k, v, devices - 1)  # the last block: no hop after it
+    (running, k, v), _ = lax.scan(
+        hop, ((running_max, running_sum, out), k, v), jnp.arange(devices - 1)
+    )
+    # The last block: no hop after it
+    running_max, running_sum, out = attend_block(running, k, v, devices - 1)
     return (out / jnp.swapaxes(running_sum, 1, 2)[..., None]).astype(compute)
 
 
@@ -189,22 +212,26 @@ def whole_sequence(x):
 
 
 def make_model(config):
-    return common.make_model(config, attend=ring_attention, positions=positions, whole_sequence=whole_sequence)
+    hooks = common.Hooks(attend=ring_attention, positions=positions, whole_sequence=whole_sequence)
+    return common.make_model(config, hooks=hooks)
 
 
-def train_step(state, batch, microbatches):
+def train_step(state, batch, config):
     """One device's share of a step: its full copy of the state, its pieces of its rows."""
     # Every device must drop different units: fold the device's index into the step's key.
-    rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index(("data", "context")))
+    rng = jax.random.fold_in(
+        jax.random.fold_in(state.rng, state.step), lax.axis_index(("data", "context"))
+    )
     # Differentiate this device's copy (marked as varying over both axes), so the gradients are
     # its own and averaging them is ours to write, as in shardmap_dp.py.
     local = state.replace(params=lax.pcast(state.params, ("data", "context"), to="varying"))
-    grads, metrics = common.accumulate_gradients(local, batch, rng, microbatches)
-    grads = lax.pmean(grads, ("data", "context"))  # all-reduce: every copy now applies the same update
+    grads, metrics = common.accumulate_gradients(local, batch, rng, config.microbatches)
+    # All-reduce: every copy now applies the same update
+    grads = lax.pmean(grads, ("data", "context"))
     metrics = lax.psum(metrics, ("data", "context"))
-    # The optimizer clips by the global norm of `grads`: every device holds all of it now.
-    state = state.apply_gradients(grads=grads)
-    return state, {**metrics, "grad_norm": common.gradient_norm(state)}
+    norm = optax.tree.norm(grads)  # the global norm, for clipping: every device holds all of it now
+    state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
+    return state, {**metrics, "grad_norm": norm}
 
 
 def eval_step(state, batch):
@@ -228,14 +255,16 @@ def main(config):
     state_shapes = init_state(config, mesh, shapes_only=True)
     step_fn = jax.jit(
         jax.shard_map(
-            functools.partial(train_step, microbatches=config.microbatches),
+            functools.partial(train_step, config=config),
             mesh=mesh,
             in_specs=(STATE_SPEC, BATCH_SPEC),
             out_specs=(STATE_SPEC, P()),
         ),
         donate_argnums=0,
     )
-    eval_fn = jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(STATE_SPEC, BATCH_SPEC), out_specs=P()))
+    eval_fn = jax.jit(
+        jax.shard_map(eval_step, mesh=mesh, in_specs=(STATE_SPEC, BATCH_SPEC), out_specs=P())
+    )
     # Compiled for the shapes of the state and of a batch, before either exists: a step too big
     # for the devices stops here, with one line, before anything is allocated.
     batch_shapes = jax.ShapeDtypeStruct(
@@ -247,14 +276,19 @@ def main(config):
     state, start = checkpoints.restore(state)
     eval_data = [device_batch(b, mesh) for b in common.eval_batches(dataset, config)]
     work = attention_work(mesh.shape["context"])
-    report = {**common.cost_report(config, state, compiled, compile_seconds), "attention_blocks_per_device": work}
+    report = {
+        **common.cost_report(config, state, compiled, compile_seconds),
+        "attention_blocks_per_device": work,
+    }
     layout = (
-        f"mesh data={mesh.shape['data']},context={mesh.shape['context']}, sequences in {2 * mesh.shape['context']} "
-        f"pieces, {work[0]} attention blocks per device, state replicated"
+        f"mesh data={mesh.shape['data']},context={mesh.shape['context']}, sequences in "
+        f"{2 * mesh.shape['context']} pieces, {work[0]} attention blocks per device, state "
+        "replicated"
     )
     log = common.Logger(config, dataset, layout, report, state.params, start)
     try:
-        for step, rows in common.train_batches(dataset, config, start, log):  # made ahead, in a thread
+        # Made ahead, in a thread
+        for step, rows in common.train_batches(dataset, config, start, log):
             batch = device_batch(rows, mesh)
             # The program compiled above, which the report describes.
             state, metrics = compiled(state, batch)

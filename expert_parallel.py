@@ -2,7 +2,8 @@
 
 What is where: the mesh has two axes, 'data' and 'expert' (data=2,expert=4 on 8 devices). Every
 block's MLP is a mixture of --experts expert MLPs (common.MoeMlp); the experts' weights and
-their Adam moments are split over 'expert', each device holding experts/E' whole experts, and
+their Adam moments are split over 'expert', each device holding --experts / (the size of
+'expert') whole experts, and
 copies of those along 'data'. Everything else (attention, the router, the embedding, the
 head) is replicated, as in data parallelism. The global batch is split by rows over every
 device (P(('data', 'expert'))).
@@ -47,7 +48,9 @@ from jax.sharding import PartitionSpec as P
 @dataclasses.dataclass(frozen=True)
 class Config(common.Config):
     experts: int = common.arg(8, "experts in every block's MLP (a mixture of experts)")
-    mesh: str = common.arg("auto", "mesh axis sizes, e.g. data=2,expert=4; 'auto' gives that on 8 devices")
+    mesh: str = common.arg(
+        "auto", "mesh axis sizes, e.g. data=2,expert=4; 'auto' gives that on 8 devices"
+    )
 
     def mesh_axes(self):
         expert = math.gcd(self.experts, max(1, jax.device_count() // 2))
@@ -57,25 +60,33 @@ class Config(common.Config):
 
     def validate(self):
         super().validate()
-        common.require(self.experts > 0, "experts", "must be positive: this script splits experts, e.g. --experts 8")
+        common.require(
+            self.experts > 0,
+            "experts",
+            "must be positive: this script splits experts, e.g. --experts 8",
+        )
         common.require(
             any("expert" in box.names for _, box in common.logical_names(self)),
             "model",
-            f"{self.model} has no parameter with an axis named 'expert', so there are no experts to split: use "
-            "common.MoeMlp in its Block (or name your experts' axis 'expert'), e.g. --model gpt",
+            f"{self.model} has no parameter with an axis named 'expert', so there are no experts "
+            "to split: use common.MoeMlp in its Block (or name your experts' axis 'expert'), e.g. "
+            "--model gpt",
         )
         expert = self.mesh_axes()["expert"]
         common.require(
             self.experts % expert == 0,
             "mesh",
-            f"expert={expert} must divide --experts {self.experts}, e.g. --mesh data={jax.device_count()},expert=1",
+            f"expert={expert} must divide --experts {self.experts}, e.g. --mesh "
+            f"data={jax.device_count()},expert=1",
         )
 
 
 def make_mesh(config):
     shape = config.mesh_axes()
     # Auto axes: the compiler may place whatever the specs below leave unsaid.
-    return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    return jax.make_mesh(
+        tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
 
 
 BATCH_SPEC = P(("data", "expert"))  # rows split over every device
@@ -107,17 +118,21 @@ def is_split(spec):
     return "expert" in spec
 
 
+def is_spec(x):
+    return isinstance(x, P)
+
+
 def to_experts_and_back(experts, x):
     """Run the experts on the tokens this device routed. x: [experts, rows, capacity, d], this
-    device's tokens in every expert's slots. The first all-to-all sends each device of the
-    'expert' group the slots of the experts it holds, from every device of the group:
-    [experts / E', E' x rows, capacity, d]; the second sends the outputs back."""
+    device's tokens in every expert's slots. With N devices along 'expert', the first all-to-all
+    sends each of them the slots of the experts it holds, from every device of the group:
+    [experts / N, N x rows, capacity, d]; the second sends the outputs back."""
     x = lax.all_to_all(x, "expert", split_axis=0, concat_axis=1, tiled=True)
     return lax.all_to_all(experts(x), "expert", split_axis=1, concat_axis=0, tiled=True)
 
 
 def make_model(config):
-    return common.make_model(config, to_experts=to_experts_and_back)
+    return common.make_model(config, hooks=common.Hooks(to_experts=to_experts_and_back))
 
 
 def average(grad, spec):
@@ -130,48 +145,51 @@ def average(grad, spec):
     return lax.pmean(grad, ("data", "expert"))
 
 
-@functools.cache  # one function per config: the optimizer holding it is part of the state's structure
-def global_norm(config):
-    """The gradient's norm over the whole model, for clipping: each device holds its own
-    experts' gradients, whose sums of squares are added up over 'expert'."""
-
-    def norm(grads):
-        pairs = zip(jax.tree.leaves(grads), jax.tree.leaves(state_spec(config, grads)), strict=True)
-        split, whole = jnp.zeros(()), jnp.zeros(())
-        for g, spec in pairs:
-            if is_split(spec):
-                split += jnp.sum(jnp.square(g))
-            else:
-                whole += jnp.sum(jnp.square(g))
-        return jnp.sqrt(lax.psum(split, "expert") + whole)
-
-    return norm
+def global_norm(grads, split):
+    """The gradient's norm over the whole model, for clipping. Each device holds a piece of each
+    gradient `split` marks (its own experts'), so their sums of squares are added up over
+    'expert' (an all-reduce of one number); the others are whole on every device."""
+    leaves = zip(jax.tree.leaves(grads), jax.tree.leaves(split), strict=True)
+    squares = [(jnp.sum(jnp.square(g)), piece) for g, piece in leaves]
+    pieces = sum((x for x, piece in squares if piece), jnp.zeros(()))
+    whole = sum((x for x, piece in squares if not piece), jnp.zeros(()))
+    return jnp.sqrt(lax.psum(pieces, "expert") + whole)
 
 
 def init_state(config, mesh, shapes_only=False):
-    create = functools.partial(common.create_state, config, make_model(config), global_norm=global_norm(config))
+    create = functools.partial(common.create_state, config, make_model(config))
     specs = state_spec(config, jax.eval_shape(create))
-    create = jax.jit(create, out_shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs))
+    create = jax.jit(
+        create, out_shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+    )
     # The state itself, or only its shapes and shardings (nothing allocated) to compile for.
     return create.eval_shape() if shapes_only else create()
 
 
-def train_step(state, batch, microbatches, config):
+def train_step(state, batch, config):
     """One device's share of a step: its experts and a copy of the rest, its rows of the batch."""
     # Every device must drop different units: fold the device's index into the step's key.
-    rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index(("data", "expert")))
+    rng = jax.random.fold_in(
+        jax.random.fold_in(state.rng, state.step), lax.axis_index(("data", "expert"))
+    )
     # Differentiate this device's copy, so the gradients are its own and averaging them is ours
     # to write: replicated parameters vary over both axes now, the experts (already different
     # on each device of 'expert') over 'data'.
     specs = state_spec(config, state.params)
     params = jax.tree.map(
-        lambda p, s: lax.pcast(p, "data" if is_split(s) else ("data", "expert"), to="varying"), state.params, specs
+        lambda p, s: lax.pcast(p, "data" if is_split(s) else ("data", "expert"), to="varying"),
+        state.params,
+        specs,
     )
-    grads, metrics = common.accumulate_gradients(state.replace(params=params), batch, rng, microbatches)
+    grads, metrics = common.accumulate_gradients(
+        state.replace(params=params), batch, rng, config.microbatches
+    )
     grads = jax.tree.map(average, grads, specs)
     metrics = lax.psum(metrics, ("data", "expert"))
-    state = state.apply_gradients(grads=grads)
-    return state, {**metrics, "grad_norm": common.gradient_norm(state)}
+    # The experts', and the rest
+    norm = global_norm(grads, jax.tree.map(is_split, specs, is_leaf=is_spec))
+    state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
+    return state, {**metrics, "grad_norm": norm}
 
 
 def eval_step(state, batch):
@@ -192,14 +210,16 @@ def main(config):
     specs = state_spec(config, state_shapes)
     step_fn = jax.jit(
         jax.shard_map(
-            functools.partial(train_step, microbatches=config.microbatches, config=config),
+            functools.partial(train_step, config=config),
             mesh=mesh,
             in_specs=(specs, BATCH_SPEC),
             out_specs=(specs, P()),
         ),
         donate_argnums=0,
     )
-    eval_fn = jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(specs, BATCH_SPEC), out_specs=P()))
+    eval_fn = jax.jit(
+        jax.shard_map(eval_step, mesh=mesh, in_specs=(specs, BATCH_SPEC), out_specs=P())
+    )
     # Compiled for the shapes of the state and of a batch, before either exists: a step too big
     # for the devices stops here, with one line, before anything is allocated.
     batch_shapes = common.batch_shape(config, NamedSharding(mesh, BATCH_SPEC))
@@ -209,10 +229,13 @@ def main(config):
     state, start = checkpoints.restore(state)
     eval_data = [device_batch(b, mesh) for b in common.eval_batches(dataset, config)]
     report = common.cost_report(config, state, compiled, compile_seconds)
-    layout = f"mesh data={mesh.shape['data']},expert={mesh.shape['expert']}, experts split over 'expert'"
+    layout = (
+        f"mesh data={mesh.shape['data']},expert={mesh.shape['expert']}, experts split over 'expert'"
+    )
     log = common.Logger(config, dataset, layout, report, state.params, start)
     try:
-        for step, rows in common.train_batches(dataset, config, start, log):  # made ahead, in a thread
+        # Made ahead, in a thread
+        for step, rows in common.train_batches(dataset, config, start, log):
             batch = device_batch(rows, mesh)
             # The program compiled above, which the report describes.
             state, metrics = compiled(state, batch)

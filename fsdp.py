@@ -1,18 +1,17 @@
 """Fully sharded data parallelism (ZeRO-3), written by hand in jax.shard_map.
 
-What is where: the global batch is split by rows over every device (the mesh axis 'data',
-and 'replica' under HSDP), each device taking an equal share. Every parameter is split into N equal pieces
-along one of its axes over 'data' (boxed as nn.Partitioned, whose names say which axis), and
-so are its Adam moments, so each device stores 1/N of the state; a parameter with no axis that
-N divides, or smaller than --min-shard-size, stays replicated. With --mesh replica=R,data=N
-(hybrid sharding, HSDP) each group of N devices holds one whole copy, split N ways, and the R
-groups are replicas (the mesh axis 'replica').
-A step: each piece of the model (the embedding, every block, the head) all-gathers its full
-parameters just before it runs, and again in the backward pass rather than keeping them
-alive in between. Autodiff turns each all-gather into its transpose, a reduce-scatter, which
-leaves each device the summed gradient of its own shard (divided by N for the mean), then
-all-reduced across the replicas. Adam is elementwise, so each device updates only its shard.
-Collectives per step: all-gathers of the parameters (forward and backward; with
+What is where: the global batch is split by rows over every device (the mesh axis 'data', and
+'replica' under HSDP), each device taking an equal share. Every parameter is split into N equal
+pieces along one of its axes over 'data' (boxed as nn.Partitioned, whose names say which axis), and
+so are its Adam moments, so each device stores 1/N of the state; a parameter with no axis that N
+divides, or smaller than --min-shard-size, stays replicated. With --mesh replica=R,data=N (hybrid
+sharding, HSDP) each group of N devices holds one whole copy, split N ways, and the R groups are
+replicas (the mesh axis 'replica'). A step: each piece of the model (the embedding, every block, the
+head) all-gathers its full parameters just before it runs, and again in the backward pass rather
+than keeping them alive in between. Autodiff turns each all-gather into its transpose, a
+reduce-scatter, which leaves each device the summed gradient of its own shard (divided by N for the
+mean), then all-reduced across the replicas. Adam is elementwise, so each device updates only its
+shard. Collectives per step: all-gathers of the parameters (forward and backward; with
 --keep-gathered forward only, the gathered parameters kept for the backward pass) and
 reduce-scatters of their gradients over 'data', all-reduces of the shards' gradients across
 'replica', an all-reduce of any replicated ones, and tiny ones of the gradient norm and of the
@@ -50,16 +49,20 @@ from jax.sharding import PartitionSpec as P
 @dataclasses.dataclass(frozen=True)
 class Config(common.Config):
     mesh: str = common.arg(
-        "auto", "data=N shards over all N devices (FSDP); replica=R,data=M shards within groups of M devices and "
-        "replicates across the R groups (HSDP); 'auto' is data=N"
-    )  # fmt: skip
+        "auto",
+        "data=N shards over all N devices (FSDP); replica=R,data=M shards within groups of M "
+        "devices and replicates across the R groups (HSDP); 'auto' is data=N",
+    )
     min_shard_size: int = common.arg(
-        0, "replicate parameters smaller than this (e.g. 65536 spares tiny all-gathers); 0 shards all"
+        0,
+        "replicate parameters smaller than this (e.g. 65536 spares tiny all-gathers); 0 shards all",
     )
     keep_gathered: bool = common.arg(
-        False, "keep the gathered parameters for the backward pass instead of gathering them again: a third fewer "
-        "collective bytes, but by the end of the forward pass the whole model on every device"
-    )  # fmt: skip
+        False,
+        "keep the gathered parameters for the backward pass instead of gathering them again: a "
+        "third fewer collective bytes, but by the end of the forward pass the whole model on "
+        "every device",
+    )
 
     def mesh_axes(self):
         return common.mesh_shape(self.mesh, ("replica", "data"), {"data": jax.device_count()})
@@ -67,12 +70,16 @@ class Config(common.Config):
     def validate(self):
         super().validate()
         self.mesh_axes()  # a bad --mesh is bad input, before any device work
-        common.require(self.min_shard_size >= 0, "min_shard_size", "must be zero or more, e.g. --min-shard-size 0")
+        common.require(
+            self.min_shard_size >= 0,
+            "min_shard_size",
+            "must be zero or more, e.g. --min-shard-size 0",
+        )
         common.require(
             not (self.keep_gathered and self.remat),
             "keep_gathered",
-            "keeps the gathered parameters for the backward pass, where --remat computes each block again, its "
-            "gather too: give one of them, e.g. --keep-gathered without --remat",
+            "keeps the gathered parameters for the backward pass, where --remat computes each "
+            "block again, its gather too: give one of them, e.g. --keep-gathered without --remat",
         )
 
 
@@ -80,7 +87,9 @@ def make_mesh(config):
     # ('data',) for FSDP; ('replica', 'data') for HSDP, each group of 'data' devices one replica.
     shape = {axis: size for axis, size in config.mesh_axes().items() if axis == "data" or size > 1}
     # Auto axes: the compiler may place whatever the specs below leave unsaid.
-    return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
+    return jax.make_mesh(
+        tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * len(shape)
+    )
 
 
 def batch_spec(mesh):
@@ -116,7 +125,8 @@ def shard_params(params, config):
 
 
 def mesh_specs(tree):
-    def spec(x):  # split over 'data', whole across 'replica'; 'layers' and unnamed axes are not split
+    # Split over 'data', whole across 'replica'; 'layers' and unnamed axes are not split
+    def spec(x):
         return P(*(name if name == "data" else None for name in x.names)) if is_sharded(x) else P()
 
     return jax.tree.map(spec, tree, is_leaf=is_sharded)
@@ -124,7 +134,11 @@ def mesh_specs(tree):
 
 def gather_params(params):
     def gather(p):
-        return lax.all_gather(p.value, "data", axis=p.names.index("data"), tiled=True) if is_sharded(p) else p
+        return (
+            lax.all_gather(p.value, "data", axis=p.names.index("data"), tiled=True)
+            if is_sharded(p)
+            else p
+        )
 
     return jax.tree.map(gather, params, is_leaf=is_sharded)
 
@@ -133,20 +147,20 @@ def keep_all_but_gathered(primitive, *_, **__):
     return primitive is not lax.all_gather_p
 
 
-def gather_once(piece):
+def gather_and_keep(piece):
     """Let a piece of the model see full parameters, gathered just before it runs. Autodiff
     keeps what the backward pass needs of them (--keep-gathered)."""
     return nn.map_variables(piece, "params", trans_in_fn=gather_params)
 
 
 def gather_before_use(piece):
-    """gather_once, and gathered again for the backward pass, as ZeRO-3 does (the default).
+    """gather_and_keep, and gathered again for the backward pass, as ZeRO-3 does (the default).
 
     The remat policy keeps every intermediate for the backward pass except the gathered
     parameters, which are gathered again: kept alive instead, every piece's full weights would
     be on every device at once by the end of the forward pass.
     """
-    return nn.remat(gather_once(piece), policy=keep_all_but_gathered, static_argnums=(2,))
+    return nn.remat(gather_and_keep(piece), policy=keep_all_but_gathered, static_argnums=(2,))
 
 
 def average(grad):
@@ -156,40 +170,54 @@ def average(grad):
     replicated parameter's gradient needs the all-reduce of data parallelism, over every device."""
     if is_sharded(grad):
         mean = grad.value / lax.axis_size("data")
-        return grad.replace(value=lax.pmean(mean, "replica") if "replica" in every_device() else mean)
+        if "replica" in every_device():  # HSDP: every replica holds the same shard
+            mean = lax.pmean(mean, "replica")
+        return grad.replace(value=mean)
     return lax.pmean(grad, every_device())
 
 
-def global_norm(grads):
-    """The gradient's norm over the whole model, for clipping. Each device holds 1/N of every
-    sharded gradient, so the sums of squares of its shards are added up over 'data' (an
-    all-reduce of one number); a replicated gradient is whole on every device."""
-    leaves = jax.tree.leaves(grads, is_leaf=is_sharded)
-    sharded = sum((jnp.sum(jnp.square(g.value)) for g in leaves if is_sharded(g)), jnp.zeros(()))
-    whole = sum((jnp.sum(jnp.square(g)) for g in leaves if not is_sharded(g)), jnp.zeros(()))
-    return jnp.sqrt(lax.psum(sharded, "data") + whole)
+def global_norm(grads, split):
+    """The gradient's norm over the whole model, for clipping. Each device holds a piece of each
+    gradient `split` marks, so their sums of squares are added up over 'data' (an all-reduce of
+    one number); the others are whole on every device."""
+    leaves = zip(jax.tree.leaves(grads), jax.tree.leaves(split), strict=True)
+    squares = [(jnp.sum(jnp.square(g)), piece) for g, piece in leaves]
+    pieces = sum((x for x, piece in squares if piece), jnp.zeros(()))
+    whole = sum((x for x, piece in squares if not piece), jnp.zeros(()))
+    return jnp.sqrt(lax.psum(pieces, "data") + whole)
 
 
 def rebox(saved, state):
     """Restored arrays back into the boxes of `state`: the checkpoint layout has none."""
-    return jax.tree.map(lambda box, x: box.replace(value=x) if is_sharded(box) else x, state, saved, is_leaf=is_sharded)
+    return jax.tree.map(
+        lambda box, x: box.replace(value=x) if is_sharded(box) else x,
+        state,
+        saved,
+        is_leaf=is_sharded,
+    )
 
 
 def init_state(config, mesh, shapes_only=False):
-    model = common.make_model(config, wrap=gather_once if config.keep_gathered else gather_before_use)
+    model = common.make_model(
+        config, wrap=gather_and_keep if config.keep_gathered else gather_before_use
+    )
     shard = functools.partial(shard_params, config=config)
-    create = functools.partial(common.create_state, config, model, shard, global_norm=global_norm)
+    create = functools.partial(common.create_state, config, model, shard)
     # Each device computes only its own shards: the full model never exists on one device.
     specs = mesh_specs(jax.eval_shape(create))
-    create = jax.jit(create, out_shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs))
+    create = jax.jit(
+        create, out_shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+    )
     # The state itself, or only its shapes and shardings (nothing allocated) to compile for.
     return create.eval_shape() if shapes_only else create()
 
 
-def train_step(state, batch, microbatches):
+def train_step(state, batch, config):
     """One device's share of a step: its shards of the state, its rows of the batch."""
     # Every device must drop different units: fold the device's index into the step's key.
-    rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index(every_device()))
+    rng = jax.random.fold_in(
+        jax.random.fold_in(state.rng, state.step), lax.axis_index(every_device())
+    )
     # Mark the parameters as varying over every device so their gradients are local, as in
     # shardmap_dp.py: replicated ones over every axis, shards over the replicas if any (they
     # vary over 'data' already).
@@ -200,12 +228,13 @@ def train_step(state, batch, microbatches):
         is_leaf=is_sharded,
     )
     local = state.replace(params=params)
-    grads, metrics = common.accumulate_gradients(local, batch, rng, microbatches)
+    grads, metrics = common.accumulate_gradients(local, batch, rng, config.microbatches)
     grads = jax.tree.map(average, grads, is_leaf=is_sharded)
     metrics = lax.psum(metrics, every_device())
-    # The optimizer clips by global_norm(grads): each device holds only its shards of `grads`.
-    state = state.apply_gradients(grads=grads)
-    return state, {**metrics, "grad_norm": common.gradient_norm(state)}
+    # Of the shards, and the rest
+    norm = global_norm(grads, jax.tree.map(is_sharded, grads, is_leaf=is_sharded))
+    state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
+    return state, {**metrics, "grad_norm": norm}
 
 
 def eval_step(state, batch):
@@ -226,20 +255,23 @@ def main(config):
     state_spec = mesh_specs(state_shapes)  # P(..., 'data', ...) for shards, P() otherwise
     step_fn = jax.jit(
         jax.shard_map(
-            functools.partial(train_step, microbatches=config.microbatches),
+            functools.partial(train_step, config=config),
             mesh=mesh,
             in_specs=(state_spec, batch_spec(mesh)),
             out_specs=(state_spec, P()),
         ),
         donate_argnums=0,
     )
-    eval_fn = jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(state_spec, batch_spec(mesh)), out_specs=P()))
+    eval_fn = jax.jit(
+        jax.shard_map(eval_step, mesh=mesh, in_specs=(state_spec, batch_spec(mesh)), out_specs=P())
+    )
     # Compiled for the shapes of the state and of a batch, before either exists: a step too big
     # for the devices stops here, with one line, before anything is allocated.
     batch_shapes = common.batch_shape(config, NamedSharding(mesh, batch_spec(mesh)))
     compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
     state = init_state(config, mesh)
-    checkpoints = common.Checkpoints(config, to_saved=nn.unbox, from_saved=rebox)  # saved without boxes
+    # Saved without boxes
+    checkpoints = common.Checkpoints(config, to_saved=nn.unbox, from_saved=rebox)
     state, start = checkpoints.restore(state)
     eval_data = [device_batch(b, mesh) for b in common.eval_batches(dataset, config)]
     report = common.cost_report(config, state, compiled, compile_seconds)
@@ -247,7 +279,8 @@ def main(config):
     layout = f"mesh {axes}, parameters and optimizer state sharded"
     log = common.Logger(config, dataset, layout, report, state.params, start)
     try:
-        for step, rows in common.train_batches(dataset, config, start, log):  # made ahead, in a thread
+        # Made ahead, in a thread
+        for step, rows in common.train_batches(dataset, config, start, log):
             batch = device_batch(rows, mesh)
             # The program compiled above, which the report describes.
             state, metrics = compiled(state, batch)

@@ -34,6 +34,7 @@ import dataclasses
 import functools
 
 import jax
+import optax
 
 import common
 
@@ -73,17 +74,30 @@ RULES = {
 
 @dataclasses.dataclass(frozen=True)
 class Config(common.Config):
-    mesh: str = common.arg("auto", "mesh axis sizes, e.g. data=2,model=4; 'auto' gives that on 8 devices")
+    mesh: str = common.arg(
+        "auto", "mesh axis sizes, e.g. data=2,model=4; 'auto' gives that on 8 devices"
+    )
     rules: str = common.arg("fsdp_tp", "logical-to-mesh rules preset", choices=tuple(RULES))
 
     def mesh_axes(self):
-        return common.mesh_shape(self.mesh, ("data", "model"), common.tensor_parallel_auto(self.heads))
+        return common.mesh_shape(self.mesh, ("data", "model"), self.auto_mesh())
+
+    def auto_mesh(self):
+        """'auto': up to 4 devices on 'model' (at most half of them, and a divisor of --heads),
+        the rest on 'data'."""
+        n = jax.device_count()
+        model = max(
+            m for m in (1, 2, 4) if n % m == 0 and self.heads % m == 0 and m <= max(1, n // 2)
+        )
+        return {"data": n // model, "model": model}
 
     def axis_size(self, logical_name):
         """How many ways the rules split a logical axis on this mesh."""
         shape = self.mesh_axes()
         axes = dict(RULES[self.rules]).get(logical_name, ())
-        return functools.reduce(lambda n, axis: n * shape[axis], (axes,) if isinstance(axes, str) else axes, 1)
+        return functools.reduce(
+            lambda n, axis: n * shape[axis], (axes,) if isinstance(axes, str) else axes, 1
+        )
 
     def batch_shards(self):
         return self.axis_size("batch")
@@ -94,8 +108,8 @@ class Config(common.Config):
         common.require(
             self.heads % self.axis_size("heads") == 0,
             "mesh",
-            f"splits 'heads' {self.axis_size('heads')} ways under --rules {self.rules}, which does not divide "
-            f"--heads {self.heads}; {self.example()}",
+            f"splits 'heads' {self.axis_size('heads')} ways under --rules {self.rules}, which does "
+            f"not divide --heads {self.heads}; {self.example()}",
         )
         ruled = dict(RULES[self.rules])
         for path, box in common.logical_names(self):
@@ -103,14 +117,15 @@ class Config(common.Config):
                 common.require(
                     name is None or name in ruled or name in UNSPLIT,
                     "rules",
-                    f"{self.rules} has no rule for the axis '{name}' of {path} {box.value.shape}, and UNSPLIT does not "
-                    "name it: add a rule for it to RULES, or add it to UNSPLIT to keep it whole",
+                    f"{self.rules} has no rule for the axis '{name}' of {path} {box.value.shape}, "
+                    "and UNSPLIT does not name it: add a rule for it to RULES, or add it to "
+                    "UNSPLIT to keep it whole",
                 )
                 common.require(
                     size % self.axis_size(name) == 0,
                     "mesh",
-                    f"splits '{name}' {self.axis_size(name)} ways under --rules {self.rules}, which does not divide "
-                    f"its size {size} in {path}; {self.example()}",
+                    f"splits '{name}' {self.axis_size(name)} ways under --rules {self.rules}, "
+                    f"which does not divide its size {size} in {path}; {self.example()}",
                 )
 
     def example(self):
@@ -118,7 +133,11 @@ class Config(common.Config):
         split = self.axis_size("heads")
         if self.heads % split:
             heads = [h for h in range(split, self.d_model + 1, split) if self.d_model % h == 0]
-            return f"e.g. --heads {heads[0]}" if heads else f"e.g. --heads {split} --d-model {split * 32}"
+            return (
+                f"e.g. --heads {heads[0]}"
+                if heads
+                else f"e.g. --heads {split} --d-model {split * 32}"
+            )
         for d_model in range(self.d_model, 16 * self.d_model + 1):
             if d_model % self.heads == 0 and d_model % self.axis_size("embed") == 0:
                 return f"e.g. --d-model {d_model}"
@@ -127,7 +146,9 @@ class Config(common.Config):
 def make_mesh(config):
     shape = config.mesh_axes()
     # Auto axes: the compiler may place whatever the specs below leave unsaid.
-    return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    return jax.make_mesh(
+        tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
 
 
 def state_shardings(abstract_state, mesh, rules):
@@ -138,20 +159,21 @@ def state_shardings(abstract_state, mesh, rules):
 def init_state(config, mesh, shapes_only=False):
     create = functools.partial(common.create_state, config, common.make_model(config))
     # Keep the logical boxes in the abstract state to read their names, not in the real one.
-    boxed = jax.eval_shape(functools.partial(create, params_fn=lambda params: params))
+    boxed = jax.eval_shape(functools.partial(create, hold=lambda boxed: boxed))
     # Each device computes only its own shards: the full model never exists on one device.
     create = jax.jit(create, out_shardings=state_shardings(boxed, mesh, RULES[config.rules]))
     # The state itself, or only its shapes and shardings (nothing allocated) to compile for.
     return create.eval_shape() if shapes_only else create()
 
 
-def train_step(state, batch, microbatches):
+def train_step(state, batch, config):
     """The single-device step, unchanged: jit partitions it over the mesh."""
     rng = jax.random.fold_in(state.rng, state.step)
-    grads, metrics = common.accumulate_gradients(state, batch, rng, microbatches)
-    # The optimizer clips by the global norm of `grads`: jit adds up its shards' partial sums.
-    state = state.apply_gradients(grads=grads)
-    return state, {**metrics, "grad_norm": common.gradient_norm(state)}
+    grads, metrics = common.accumulate_gradients(state, batch, rng, config.microbatches)
+    # The global norm, for clipping: jit adds up its shards' partial sums
+    norm = optax.tree.norm(grads)
+    state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
+    return state, {**metrics, "grad_norm": norm}
 
 
 def eval_step(state, batch):
@@ -176,7 +198,7 @@ def main(config):
     state_sharding = jax.tree.map(lambda x: x.sharding, state_shapes)
     rules = RULES[config.rules]
     step_fn = jax.jit(
-        functools.partial(train_step, microbatches=config.microbatches),
+        functools.partial(train_step, config=config),
         in_shardings=(state_sharding, batch_sharding(mesh, rules)),
         out_shardings=(state_sharding, NamedSharding(mesh, P())),
         donate_argnums=0,
@@ -200,7 +222,8 @@ def main(config):
     layout = f"mesh data={mesh.shape['data']},model={mesh.shape['model']}, rules {config.rules}"
     log = common.Logger(config, dataset, layout, report, state.params, start)
     try:
-        for step, rows in common.train_batches(dataset, config, start, log):  # made ahead, in a thread
+        # Made ahead, in a thread
+        for step, rows in common.train_batches(dataset, config, start, log):
             batch = device_batch(rows, mesh, rules)
             # The program compiled above, which the report describes.
             state, metrics = compiled(state, batch)

@@ -1,4 +1,5 @@
-"""Pipeline parallelism in jax.shard_map: GPipe, 1F1B, zero-bubble and interleaved, the schedule as data.
+"""Pipeline parallelism in jax.shard_map: GPipe, 1F1B, zero-bubble and interleaved, the schedule as
+data.
 
 What is where: the global batch is split by rows over the mesh axis 'data' (P('data')), each
 device taking an equal share. The blocks are cut into contiguous groups, one per device along
@@ -36,8 +37,8 @@ between stages, and each stage's gradient made by jax.vjp of its own part of the
 Run:
   python pipeline.py                     # a laptop: 8 emulated CPU devices, data=2,stage=4
   python pipeline.py --schedule gpipe --show-schedule   # print the ticks, train nothing
-  python pipeline.py --schedule zero-bubble   # a third of 1F1B's bubble, as many micro-batches held
-  python pipeline.py --schedule interleaved --layers 8   # 2 groups of layers per stage: half the bubble
+  python pipeline.py --schedule zero-bubble   # a third of 1F1B's bubble
+  python pipeline.py --schedule interleaved --layers 8   # 2 groups of layers per stage
   python pipeline.py --distributed       # every host of a TPU pod slice (README)
 
 Read before: shardmap_dp.py. Read next: context_parallel.py, which splits the sequence instead.
@@ -54,7 +55,6 @@ import common
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -64,14 +64,24 @@ SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved")
 
 @dataclasses.dataclass(frozen=True)
 class Config(common.Config):
-    mesh: str = common.arg("auto", "mesh axis sizes, e.g. data=2,stage=4; 'auto' gives that on 8 devices")
-    schedule: str = common.arg("1f1b", "the order of the micro-batches' forwards and backwards", choices=SCHEDULES)
-    microbatches: int = common.arg(8, "micro-batches per step flowing through the pipeline (per data shard)")
+    mesh: str = common.arg(
+        "auto", "mesh axis sizes, e.g. data=2,stage=4; 'auto' gives that on 8 devices"
+    )
+    schedule: str = common.arg(
+        "1f1b", "the order of the micro-batches' forwards and backwards", choices=SCHEDULES
+    )
+    microbatches: int = common.arg(
+        8, "micro-batches per step flowing through the pipeline (per data shard)"
+    )
     virtual_stages: int = common.arg(
-        2, "--schedule interleaved: groups of layers per stage (stage s holds groups s, s + stages, ...)"
+        2,
+        "--schedule interleaved: groups of layers per stage (stage s holds groups s, s + stages, "
+        "...)",
     )
     show_schedule: bool = common.arg(
-        False, "print the schedule (which stage runs which micro-batch at each tick) and exit, without training"
+        False,
+        "print the schedule (which stage runs which micro-batch at each tick) and exit, without "
+        "training",
     )
 
     def virtual(self):
@@ -80,7 +90,11 @@ class Config(common.Config):
 
     def mesh_axes(self):
         n, groups = jax.device_count(), self.virtual()
-        stage = max(s for s in (1, 2, 4) if n % s == 0 and self.layers % (s * groups) == 0 and s <= max(1, n // 2))
+        stage = max(
+            s
+            for s in (1, 2, 4)
+            if n % s == 0 and self.layers % (s * groups) == 0 and s <= max(1, n // 2)
+        )
         return common.mesh_shape(self.mesh, ("data", "stage"), {"data": n // stage, "stage": stage})
 
     def batch_shards(self):
@@ -109,32 +123,45 @@ class Config(common.Config):
         common.require(
             self.schedule != "interleaved" or self.microbatches % stages == 0,
             "microbatches",
-            f"must be a multiple of the {stages} stages for --schedule interleaved, e.g. --microbatches {2 * stages}",
+            f"must be a multiple of the {stages} stages for --schedule interleaved, e.g. "
+            f"--microbatches {2 * stages}",
         )
         common.require(
             self.schedule == "gpipe" or self.microbatches >= stages,
             "microbatches",
-            f"must be at least the {stages} stages for --schedule {self.schedule}, e.g. --microbatches {2 * stages}",
+            f"must be at least the {stages} stages for --schedule {self.schedule}, e.g. "
+            f"--microbatches {2 * stages}",
         )
         common.require(
-            not self.scan_layers, "scan_layers", "is how the pipeline holds its blocks already: leave it out"
+            not self.scan_layers,
+            "scan_layers",
+            "is how the pipeline holds its blocks already: leave it out",
         )
-        common.require(not self.remat, "remat", "is what each stage's backward does already: leave it out")
+        common.require(
+            not self.remat, "remat", "is what each stage's backward does already: leave it out"
+        )
 
 
 def make_mesh(config):
     shape = config.mesh_axes()
     # Auto axes: the compiler may place whatever the specs below leave unsaid.
-    return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    return jax.make_mesh(
+        tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
 
 
 BATCH_SPEC = P("data")  # rows split over 'data'
 # What a stage does at a tick. BACKWARD is the whole backward of a micro-batch; zero-bubble
 # splits it into INPUT_GRAD (the gradient of the stage's input, which the previous stage waits
 # for) and WEIGHT_GRAD (the gradient of its parameters, which nobody waits for).
-IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
-# The columns of the schedule's table (make_schedule).
-OP, MICROBATCH, VIRTUAL, INPUT, GRADIENT, INPUT_IN, GRADIENT_IN = range(7)
+OPS = IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
+# The columns of the schedule's table (make_schedule): what a stage runs, on which micro-batch
+# and group of layers; the slots of its buffers it reads its input and its output's gradient
+# from; the slots an activation and a gradient arriving at the end of the tick go into.
+OP, MICROBATCH, VIRTUAL, INPUT_SLOT, GRADIENT_SLOT, INPUT_ARRIVES, GRADIENT_ARRIVES = range(7)
+# What passes between stages, and the table's columns for each: (where it is read, where it
+# arrives).
+COLUMNS = {"input": (INPUT_SLOT, INPUT_ARRIVES), "gradient": (GRADIENT_SLOT, GRADIENT_ARRIVES)}
 
 
 def stage_order(kind, stages, microbatches, s, virtual=1):
@@ -148,23 +175,30 @@ def stage_order(kind, stages, microbatches, s, virtual=1):
     (virtual - 1) * stages + 2 * (stages - s - 1) forwards first, each group of layers taking
     `stages` micro-batches in turn, forwards from the first group, backwards from the last."""
     if kind == "gpipe":
-        return [(FORWARD, 0, m) for m in range(microbatches)] + [(BACKWARD, 0, m) for m in range(microbatches)]
+        forwards = [(FORWARD, 0, m) for m in range(microbatches)]
+        return forwards + [(BACKWARD, 0, m) for m in range(microbatches)]
     backward = INPUT_GRAD if kind == "zero-bubble" else BACKWARD
-    warmup = (virtual - 1) * stages + 2 * (stages - s - 1) if kind == "interleaved" else stages - s - 1
+    if kind == "interleaved":
+        warmup = (virtual - 1) * stages + 2 * (stages - s - 1)
+    else:
+        warmup = stages - s - 1
     total = virtual * microbatches  # forwards to run, and as many backwards
     warmup = min(warmup, total)
-    done = {FORWARD: [0] * virtual, backward: [0] * virtual}  # per group: micro-batches given that op
+    # Per group: micro-batches given that op
+    done = {FORWARD: [0] * virtual, backward: [0] * virtual}
 
     def nth(op, k):  # the k-th forward or backward: its group and micro-batch
         v = (k // stages) % virtual
-        v = v if op == FORWARD else virtual - 1 - v
+        if op != FORWARD:  # backwards go through the groups from the last
+            v = virtual - 1 - v
         done[op][v] += 1
         return op, v, done[op][v] - 1
 
     order = [nth(FORWARD, k) for k in range(warmup)]
     for k in range(total):
-        order += [nth(FORWARD, k + warmup)] if k + warmup < total else []
-        order += [nth(backward, k)]
+        if k + warmup < total:
+            order.append(nth(FORWARD, k + warmup))
+        order.append(nth(backward, k))
     return order
 
 
@@ -192,29 +226,49 @@ def make_schedule(kind, stages, microbatches, virtual=1):
     backward_at = np.full((chunks, microbatches), 1 << 30)  # of each BACKWARD or INPUT_GRAD
     owed = [[] for _ in range(stages)]  # zero-bubble: the (v, m) whose WEIGHT_GRAD is to run
     held = [0] * stages  # micro-batches past their forward and not past their last operation
-    most = stages if kind == "zero-bubble" else virtual * microbatches  # the cap on `held`: zero-bubble's only
-    position, rows = [0] * stages, []
+    # The most a stage may hold: a cap for zero-bubble only (the others never reach this one).
+    most = stages if kind == "zero-bubble" else virtual * microbatches
+
+    def next_operation(t, s, left, weights_owed, may_hold_more):
+        """What stage s runs at tick t: the next operation of its order if its input is there
+        (and, for a forward, if the stage may hold one more micro-batch); if not, the oldest
+        WEIGHT_GRAD it owes (zero-bubble); if none, nothing."""
+        op, v, m = left[0] if left else (IDLE, 0, -1)
+        c = v * stages + s
+        if op == FORWARD:
+            ready = (c == 0 or forward_at[c - 1, m] < t) and may_hold_more
+        elif op == IDLE:
+            ready = False
+        elif c == chunks - 1:  # the last group's backward follows its own forward
+            ready = forward_at[c, m] < t
+        else:  # a backward follows the next group's backward
+            ready = backward_at[c + 1, m] < t
+        if ready:
+            return op, v, m
+        if weights_owed:
+            return (WEIGHT_GRAD, *weights_owed[0])
+        return IDLE, 0, -1
+
+    position, rows = [0] * stages, []  # position: how far each stage is in its order
     while any(position[s] < len(orders[s]) or owed[s] for s in range(stages)):
         t, row = len(rows), []
         for s in range(stages):
-            op, v, m = orders[s][position[s]] if position[s] < len(orders[s]) else (IDLE, 0, -1)
-            c = v * stages + s
-            if op == FORWARD:
-                ready = (c == 0 or forward_at[c - 1, m] < t) and held[s] < most
-            else:
-                ready = op != IDLE and (forward_at[c, m] if c == chunks - 1 else backward_at[c + 1, m]) < t
-            row.append((op, v, m) if ready else (WEIGHT_GRAD, *owed[s][0]) if owed[s] else (IDLE, 0, -1))
+            row.append(next_operation(t, s, orders[s][position[s] :], owed[s], held[s] < most))
         for s, (op, v, m) in enumerate(row):
             c = v * stages + s
             if op == FORWARD:
-                forward_at[c, m], held[s] = t, held[s] + 1
-            elif op in (BACKWARD, INPUT_GRAD):
+                forward_at[c, m] = t
+                held[s] += 1
+            if op in (BACKWARD, INPUT_GRAD):
                 backward_at[c, m] = t
-                owed[s] += [(v, m)] if op == INPUT_GRAD else []
-            elif op == WEIGHT_GRAD:
+            if op == INPUT_GRAD:
+                owed[s].append((v, m))
+            if op == WEIGHT_GRAD:
                 owed[s].pop(0)
-            held[s] -= op in (BACKWARD, WEIGHT_GRAD)
-            position[s] += op in (FORWARD, BACKWARD, INPUT_GRAD)
+            if op in (BACKWARD, WEIGHT_GRAD):  # the micro-batch's last operation on this stage
+                held[s] -= 1
+            if op in (FORWARD, BACKWARD, INPUT_GRAD):  # an operation of its order: on to the next
+                position[s] += 1
         rows.append(row)
     return place_in_slots(rows, stages, virtual)
 
@@ -224,26 +278,26 @@ def place_in_slots(rows, stages, virtual):
     and each gradient that arrives is kept until its last use, the lowest slot free then."""
     chunks, last = stages * virtual, {BACKWARD, WEIGHT_GRAD}
     table = np.full((len(rows), stages, 7), -1, np.int32)
-    slots = {}  # (kind, stage, v, m) -> the slot holding it; kind INPUT or GRADIENT
+    slots = {}  # (what, stage, v, m) -> the slot holding it; what: "input" or "gradient"
     for t, row in enumerate(rows):
-        arriving = []  # (kind, stage, v, m), sent at this tick
+        arriving = []  # (what, stage, v, m), sent at this tick
         for s, (op, v, m) in enumerate(row):
             c = v * stages + s
-            table[t, s, :3] = op, m, v
+            table[t, s, [OP, MICROBATCH, VIRTUAL]] = op, m, v
             if op == IDLE:
                 continue
-            for kind in (INPUT, GRADIENT):
-                table[t, s, kind] = slots.get((kind, s, v, m), -1)
+            for what, (read, _) in COLUMNS.items():
+                table[t, s, read] = slots.get((what, s, v, m), -1)
                 if op in last:
-                    slots.pop((kind, s, v, m), None)
+                    slots.pop((what, s, v, m), None)
             if op == FORWARD and c + 1 < chunks:  # to the next group, on the next stage
-                arriving.append((INPUT, (s + 1) % stages, (c + 1) // stages, m))
+                arriving.append(("input", (s + 1) % stages, (c + 1) // stages, m))
             if op in (BACKWARD, INPUT_GRAD) and c > 0:  # to the previous group
-                arriving.append((GRADIENT, (s - 1) % stages, (c - 1) // stages, m))
-        for kind, s, v, m in arriving:
-            taken = {slot for (k, stage, *_), slot in slots.items() if (k, stage) == (kind, s)}
-            slots[kind, s, v, m] = min(set(range(len(taken) + 1)) - taken)
-            table[t, s, kind + INPUT_IN - INPUT] = slots[kind, s, v, m]
+                arriving.append(("gradient", (s - 1) % stages, (c - 1) // stages, m))
+        for what, s, v, m in arriving:
+            taken = {slot for (w, stage, *_), slot in slots.items() if (w, stage) == (what, s)}
+            slots[what, s, v, m] = min(set(range(len(taken) + 1)) - taken)
+            table[t, s, COLUMNS[what][1]] = slots[what, s, v, m]
     return table
 
 
@@ -296,7 +350,10 @@ def stack_blocks(tree, virtual=1):
         return tree
     layers = [tree[f"block_{i}"] for i in range(sum(k.startswith("block_") for k in tree))]
     rest = {k: v for k, v in tree.items() if not k.startswith("block_")}
-    return {**rest, "blocks": jax.tree.map(lambda *x: jnp.stack(x).reshape(virtual, -1, *x[0].shape), *layers)}
+    return {
+        **rest,
+        "blocks": jax.tree.map(lambda *x: jnp.stack(x).reshape(virtual, -1, *x[0].shape), *layers),
+    }
 
 
 def unstack_blocks(tree):
@@ -306,7 +363,10 @@ def unstack_blocks(tree):
     blocks = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), tree["blocks"])  # one layer axis
     rest = {k: v for k, v in tree.items() if k != "blocks"}
     layers = jax.tree.leaves(blocks)[0].shape[0]
-    return {**rest, **{f"block_{i}": jax.tree.map(lambda x, i=i: x[i], blocks) for i in range(layers)}}
+    return {
+        **rest,
+        **{f"block_{i}": jax.tree.map(lambda x, i=i: x[i], blocks) for i in range(layers)},
+    }
 
 
 def every_dict(fn, tree):
@@ -323,7 +383,9 @@ def every_dict(fn, tree):
 def to_saved(state):
     """The checkpoint layout: every block on its own, as a run without a pipeline names it."""
     unstack = functools.partial(every_dict, unstack_blocks)
-    return jax.jit(lambda s: s.replace(params=unstack(s.params), opt_state=unstack(s.opt_state)))(state)
+    return jax.jit(lambda s: s.replace(params=unstack(s.params), opt_state=unstack(s.opt_state)))(
+        state
+    )
 
 
 def from_saved(saved, state):
@@ -341,8 +403,8 @@ def state_specs(tree, stages):
     """P(None, 'stage') on the stacked blocks, each device holding its stage's groups of layers.
     Every other parameter (the embedding, the head) and its Adam moments split over 'stage' too,
     along the first axis `stages` divides (whole if none does): between steps each device keeps
-    1/stages of them, not a copy, and the step gathers them (gather_the_rest). Counters and the
-    key: P()."""
+    1/stages of them, not a copy, and the step gathers them (gather_embed_and_head). Counters and
+    the key: P()."""
 
     def spec(path, x):
         path = jax.tree_util.keystr(path)
@@ -355,57 +417,63 @@ def state_specs(tree, stages):
     return jax.tree_util.tree_map_with_path(spec, tree)
 
 
-def gather_the_rest(params, specs):
+def is_spec(x):
+    return isinstance(x, P)
+
+
+def gather_embed_and_head(params, specs):
     """The parameters with everything but the blocks whole on every device (all-gathers over
     'stage'): the embedding for the first stage, the head for the last."""
 
     def gather(x, spec):
-        return lax.all_gather(x, "stage", axis=spec.index("stage"), tiled=True) if "stage" in spec else x
+        return (
+            lax.all_gather(x, "stage", axis=spec.index("stage"), tiled=True)
+            if "stage" in spec
+            else x
+        )
 
     return {k: v if k == "blocks" else jax.tree.map(gather, v, specs[k]) for k, v in params.items()}
 
 
-def scatter_the_rest(grads, specs):
+def scatter_embed_and_head(grads, specs):
     """The inverse for the gradients: the embedding's comes from the first stage, the head's
     from the last, zeros elsewhere; each is summed over 'stage' and each device keeps its piece
     (reduce-scatters: the same bytes as an all-reduce's half, and the all-gather is the other)."""
 
     def scatter(g, spec):
-        axis = spec.index("stage") if "stage" in spec else None
-        return (
-            lax.psum(g, "stage") if axis is None else lax.psum_scatter(g, "stage", scatter_dimension=axis, tiled=True)
-        )
+        if "stage" not in spec:
+            return lax.psum(g, "stage")
+        return lax.psum_scatter(g, "stage", scatter_dimension=spec.index("stage"), tiled=True)
 
     return {k: v if k == "blocks" else jax.tree.map(scatter, v, specs[k]) for k, v in grads.items()}
 
 
-def global_norm(grads, specs):
-    """The gradient's norm over the whole model, for clipping. Each device holds its stage's
-    blocks' gradients and its piece of the others', so their sums of squares are added up over
-    'stage' (an all-reduce of one number); those kept whole are counted once."""
-    split = [g for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(specs), strict=True) if "stage" in spec]
-    whole = [g for g, spec in zip(jax.tree.leaves(grads), jax.tree.leaves(specs), strict=True) if "stage" not in spec]
-    return jnp.sqrt(lax.psum(optax.tree.norm(split, squared=True), "stage") + optax.tree.norm(whole, squared=True))
+def global_norm(grads, split):
+    """The gradient's norm over the whole model, for clipping. Each device holds a piece of each
+    gradient `split` marks (its stage's blocks, its piece of the others), so their sums of
+    squares are added up over 'stage' (an all-reduce of one number); the others are whole."""
+    leaves = zip(jax.tree.leaves(grads), jax.tree.leaves(split), strict=True)
+    squares = [(jnp.sum(jnp.square(g)), piece) for g, piece in leaves]
+    pieces = sum((x for x, piece in squares if piece), jnp.zeros(()))
+    whole = sum((x for x, piece in squares if not piece), jnp.zeros(()))
+    return jnp.sqrt(lax.psum(pieces, "stage") + whole)
 
 
-@functools.cache  # one per configuration: the optimizer holds it, and is part of the state's structure
-def norm_as_split(config, stages):
-    """global_norm for gradients split over 'stage' as the parameters are."""
-    state = jax.eval_shape(functools.partial(common.create_state, config, common.make_model(config), params_fn(config)))
-    return functools.partial(global_norm, specs=state_specs(state, stages).params)
-
-
-def params_fn(config):
-    """The parameters as the pipeline holds them: unboxed, the blocks stacked."""
+def stacked(config):
+    """How the pipeline holds the parameters: unboxed, the blocks stacked (common.create_state's
+    `hold`)."""
     return lambda boxed: stack_blocks(nn.unbox(boxed), config.virtual())
 
 
 def init_state(config, mesh, shapes_only=False):
-    norm = norm_as_split(config, mesh.shape["stage"])
-    create = functools.partial(common.create_state, config, common.make_model(config), params_fn(config), norm)
+    create = functools.partial(
+        common.create_state, config, common.make_model(config), stacked(config)
+    )
     # Each device computes only its own pieces: the full model never exists on one device.
     specs = state_specs(jax.eval_shape(create), mesh.shape["stage"])
-    create = jax.jit(create, out_shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs))
+    create = jax.jit(
+        create, out_shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec), specs)
+    )
     # The state itself, or only its shapes and shardings (nothing allocated) to compile for.
     return create.eval_shape() if shapes_only else create()
 
@@ -419,13 +487,16 @@ def stage_forward(params, x, tokens, rng, config, v=0):
     alone and the blocks' sums."""
     stage, stages = lax.axis_index("stage"), lax.axis_size("stage")
     virtual = jax.tree.leaves(params["blocks"])[0].shape[0]
-    chunk = v * stages + stage  # which group of the model's layers: 0 first, virtual * stages - 1 last
+    # Which group of the model's layers: 0 first, virtual * stages - 1 last
+    chunk = v * stages + stage
     model = common.model_pieces(config.model)  # its Embed, Block and Head
     train = config.dropout > 0
     rngs = {"dropout": rng} if train else None
 
     def embed():
-        return model.Embed(config).apply({"params": params["embed"]}, tokens[:, :-1], not train, rngs=rngs)
+        return model.Embed(config).apply(
+            {"params": params["embed"]}, tokens[:, :-1], not train, rngs=rngs
+        )
 
     x = lax.cond(chunk == 0, embed, lambda: x)
 
@@ -456,16 +527,22 @@ def pipeline_gradients(params, batch, rng, config, table):
     # Micro-batch i takes rows i, i + m, i + 2m, ... (as common.accumulate_gradients does).
     pieces = batch.reshape(-1, microbatches, batch.shape[-1]).swapaxes(0, 1)
     # How many activations, and gradients, a stage keeps at once, the most any stage does.
-    slots, grad_slots = (max(1, table[:, :, column].max() + 1) for column in (INPUT_IN, GRADIENT_IN))
+    slots, grad_slots = (
+        max(1, table[:, :, column].max() + 1) for column in (INPUT_ARRIVES, GRADIENT_ARRIVES)
+    )
     # What passes between stages: the embedding's output, of the shape of every block's.
     embed = common.model_pieces(config.model).Embed(config)
-    activation = jax.eval_shape(lambda: embed.apply({"params": params["embed"]}, pieces[0][:, :-1], True))
+    activation = jax.eval_shape(
+        lambda: embed.apply({"params": params["embed"]}, pieces[0][:, :-1], True)
+    )
     activation = jnp.zeros(activation.shape, activation.dtype)
-    # Interleaved, the last stage's output goes on to the first stage's next group: a ring.
-    ring = jax.tree.leaves(params["blocks"])[0].shape[0] > 1
-    to_next = [(s, s + 1) for s in range(stages - 1)] + [(stages - 1, 0)] * ring
-    to_previous = [(s + 1, s) for s in range(stages - 1)] + [(0, stages - 1)] * ring
-    loss_scale = 1.0 / (pieces.shape[0] * pieces.shape[1] * config.seq_len)  # the mean over this device's tokens
+    to_next = [(s, s + 1) for s in range(stages - 1)]
+    to_previous = [(s + 1, s) for s in range(stages - 1)]
+    if jax.tree.leaves(params["blocks"])[0].shape[0] > 1:  # interleaved: a ring of stages, the
+        to_next.append((stages - 1, 0))  # last stage's output going on to the first's next group
+        to_previous.append((0, stages - 1))
+    # The mean over this device's tokens
+    loss_scale = 1.0 / (pieces.shape[0] * pieces.shape[1] * config.seq_len)
 
     # What the blocks report (a mixture of experts' routing), summed over the micro-batches.
     block_params = jax.tree.map(lambda p: p[0, 0], params["blocks"])
@@ -473,11 +550,9 @@ def pipeline_gradients(params, batch, rng, config, table):
     stats = jax.eval_shape(lambda: block.apply({"params": block_params}, activation, True))[1] or {}
     stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats)
 
-    split = bool((table[:, :, OP] == WEIGHT_GRAD).any())  # zero-bubble's backward in two halves
-
     def tick(carry, row):
-        inputs, gradients_in, grads, loss_sum, stats_sum = carry
-        op, m, v, input_slot, gradient_slot, input_in, gradient_in = row[stage]
+        inputs, output_grads, grads, loss_sum, stats_sum = carry
+        op, m, v, input_slot, gradient_slot, input_arrives, gradient_arrives = row[stage]
         tokens, key = pieces[m], jax.random.fold_in(rng, m)
 
         # Read inside the branches that use them (XLA would otherwise copy them out first). Slot
@@ -487,14 +562,18 @@ def pipeline_gradients(params, batch, rng, config, table):
             return inputs[jnp.maximum(input_slot, 0)]
 
         def gradient():
-            return jnp.where(gradient_slot >= 0, gradients_in[jnp.maximum(gradient_slot, 0)], 0)
+            return jnp.where(gradient_slot >= 0, output_grads[jnp.maximum(gradient_slot, 0)], 0)
 
         def forward():
             (y, _), (loss, stats) = stage_forward(params, x(), tokens, key, config, v)
             return y, loss, stats
 
         def no_forward():
-            return jnp.zeros_like(activation), jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, stats)
+            return (
+                jnp.zeros_like(activation),
+                jnp.zeros((), jnp.float32),
+                jax.tree.map(jnp.zeros_like, stats),
+            )
 
         def no_backward():
             return jax.tree.map(jnp.zeros_like, params), jnp.zeros_like(activation)
@@ -505,24 +584,43 @@ def pipeline_gradients(params, batch, rng, config, table):
             forward = functools.partial(stage_forward, tokens=tokens, rng=key, config=config, v=v)
             _, vjp, _ = jax.vjp(forward, params, x(), has_aux=True)
             grad_params, grad_input = vjp((gradient(), jnp.float32(loss_scale)))
-            zeros = no_backward()
-            return grad_params if of_params else zeros[0], grad_input if of_input else zeros[1]
+            if not of_params:
+                grad_params = jax.tree.map(jnp.zeros_like, params)
+            if not of_input:
+                grad_input = jnp.zeros_like(activation)
+            return grad_params, grad_input
+
+        # The backward each op runs (none for IDLE and FORWARD): only the backwards the table
+        # has are compiled, since XLA:CPU keeps each branch's temporaries apart.
+        if (table[:, :, OP] == WEIGHT_GRAD).any():  # zero-bubble: the input's half, the weights'
+            backwards = {
+                INPUT_GRAD: functools.partial(backward, of_params=False),
+                WEIGHT_GRAD: functools.partial(backward, of_input=False),
+            }
+        else:
+            backwards = {BACKWARD: backward}
+        branch = np.zeros(len(OPS), np.int32)  # op -> its branch of lax.switch, 0: no_backward
+        for i, kind in enumerate(backwards, 1):
+            branch[kind] = i
 
         output, loss, more = lax.cond(op == FORWARD, forward, no_forward)
-        # Indexed by op - FORWARD: BACKWARD, or zero-bubble's INPUT_GRAD and WEIGHT_GRAD in its
-        # place. Only the backwards the table runs: XLA:CPU keeps each branch's temporaries apart.
-        halves = [functools.partial(backward, of_params=False), functools.partial(backward, of_input=False)]
-        backwards = [no_backward, no_backward, *halves] if split else [no_backward, backward]
-        grad_params, grad_input = lax.switch(jnp.maximum(op - FORWARD, 0), backwards)
+        grad_params, grad_input = lax.switch(
+            jnp.asarray(branch)[op], [no_backward, *backwards.values()]
+        )
         # After each tick: activations to the next stage, their gradients to the previous one.
         received = lax.ppermute(output, "stage", to_next)
         received_gradient = lax.ppermute(grad_input, "stage", to_previous)
-        inputs = lax.cond(input_in >= 0, lambda: inputs.at[input_in].set(received), lambda: inputs)
-        gradients_in = lax.cond(
-            gradient_in >= 0, lambda: gradients_in.at[gradient_in].set(received_gradient), lambda: gradients_in
+        inputs = lax.cond(
+            input_arrives >= 0, lambda: inputs.at[input_arrives].set(received), lambda: inputs
+        )
+        output_grads = lax.cond(
+            gradient_arrives >= 0,
+            lambda: output_grads.at[gradient_arrives].set(received_gradient),
+            lambda: output_grads,
         )
         grads = jax.tree.map(jnp.add, grads, grad_params)
-        return (inputs, gradients_in, grads, loss_sum + loss, jax.tree.map(jnp.add, stats_sum, more)), None
+        stats_sum = jax.tree.map(jnp.add, stats_sum, more)
+        return (inputs, output_grads, grads, loss_sum + loss, stats_sum), None
 
     carry = (
         jnp.zeros((slots, *activation.shape), activation.dtype),
@@ -540,24 +638,31 @@ def train_step(state, batch, config, table, specs):
     """One device's share of a step: its stage's blocks, its rows of the batch."""
     # Every data shard must drop different units: fold its index into the step's key.
     rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index("data"))
-    params = gather_the_rest(state.params, specs)  # the embedding and head whole, for this step
+    # The embedding and head whole, for this step
+    params = gather_embed_and_head(state.params, specs)
     grads, metrics = pipeline_gradients(params, batch, rng, config, table)
-    grads = scatter_the_rest(grads, specs)  # summed over 'stage', each device keeping its piece
+    # Summed over 'stage', each device keeping its piece
+    grads = scatter_embed_and_head(grads, specs)
     grads = lax.pmean(grads, "data")  # all-reduce: the mean over the data shards
     # The loss is summed on the last stage only, the blocks' sums on each stage for its blocks;
     # each stage counted the same tokens.
-    metrics = {**lax.psum(metrics, ("data", "stage")), "tokens": lax.psum(metrics["tokens"], "data")}
-    # The optimizer clips by global_norm(grads): each device holds only its pieces of them.
-    state = state.apply_gradients(grads=grads)
-    return state, {**metrics, "grad_norm": common.gradient_norm(state)}
+    metrics = {
+        **lax.psum(metrics, ("data", "stage")),
+        "tokens": lax.psum(metrics["tokens"], "data"),
+    }
+    norm = global_norm(grads, jax.tree.map(lambda spec: "stage" in spec, specs, is_leaf=is_spec))
+    state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
+    return state, {**metrics, "grad_norm": norm}
 
 
 def eval_step(state, batch, config, specs):
     """Summed held-out losses of one device's rows: the stages one after another, each device
     running the whole model with the blocks of every stage gathered (no schedule, no backward)."""
-    params = gather_the_rest(state.params, specs)
+    params = gather_embed_and_head(state.params, specs)
     params = {**params, "blocks": lax.all_gather(params["blocks"], "stage", axis=1, tiled=True)}
-    return lax.psum(common.eval_metrics(state.replace(params=unstack_blocks(params)), batch), "data")
+    return lax.psum(
+        common.eval_metrics(state.replace(params=unstack_blocks(params)), batch), "data"
+    )
 
 
 def device_batch(batch, mesh):
@@ -569,13 +674,16 @@ def main(config):
     common.setup(config)
     mesh = make_mesh(config)
     dataset = common.load_dataset(config)
-    table = make_schedule(config.schedule, mesh.shape["stage"], config.microbatches, config.virtual())
+    table = make_schedule(
+        config.schedule, mesh.shape["stage"], config.microbatches, config.virtual()
+    )
     if config.show_schedule:  # print it, train nothing
         if common.is_main_process():
             show_schedule(config.schedule, table)
         return None
     state_shapes = init_state(config, mesh, shapes_only=True)
-    state_spec = state_specs(state_shapes, mesh.shape["stage"])  # every parameter split over 'stage'
+    # Every parameter split over 'stage'
+    state_spec = state_specs(state_shapes, mesh.shape["stage"])
     step_fn = jax.jit(
         jax.shard_map(
             functools.partial(train_step, config=config, table=table, specs=state_spec.params),
@@ -603,7 +711,8 @@ def main(config):
     batch_shapes = common.batch_shape(config, NamedSharding(mesh, BATCH_SPEC))
     compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
     state = init_state(config, mesh)
-    checkpoints = common.Checkpoints(config, to_saved, from_saved)  # saved block by block, unstacked
+    # Saved block by block, unstacked
+    checkpoints = common.Checkpoints(config, to_saved, from_saved)
     state, start = checkpoints.restore(state)
     eval_data = [device_batch(b, mesh) for b in common.eval_batches(dataset, config)]
     bubble = float((table[:, :, OP] == IDLE).mean())
@@ -616,7 +725,8 @@ def main(config):
     )
     log = common.Logger(config, dataset, layout, report, state.params, start)
     try:
-        for step, rows in common.train_batches(dataset, config, start, log):  # made ahead, in a thread
+        # Made ahead, in a thread
+        for step, rows in common.train_batches(dataset, config, start, log):
             batch = device_batch(rows, mesh)
             # The program compiled above, which the report describes.
             state, metrics = compiled(state, batch)

@@ -35,6 +35,7 @@ import dataclasses
 import functools
 
 import jax
+import optax
 
 import common
 
@@ -45,29 +46,44 @@ from jax.sharding import PartitionSpec as P
 
 @dataclasses.dataclass(frozen=True)
 class Config(common.Config):
-    mesh: str = common.arg("auto", "mesh axis sizes, e.g. data=2,model=4; 'auto' gives that on 8 devices")
+    mesh: str = common.arg(
+        "auto", "mesh axis sizes, e.g. data=2,model=4; 'auto' gives that on 8 devices"
+    )
 
     def mesh_axes(self):
-        return common.mesh_shape(self.mesh, ("data", "model"), common.tensor_parallel_auto(self.heads))
+        return common.mesh_shape(self.mesh, ("data", "model"), self.auto_mesh())
+
+    def auto_mesh(self):
+        """'auto': up to 4 devices on 'model' (at most half of them, and a divisor of --heads),
+        the rest on 'data'."""
+        n = jax.device_count()
+        model = max(
+            m for m in (1, 2, 4) if n % m == 0 and self.heads % m == 0 and m <= max(1, n // 2)
+        )
+        return {"data": n // model, "model": model}
 
     def batch_shards(self):
         return self.mesh_axes()["data"]
 
     def validate(self):
         super().validate()
-        model, auto = self.mesh_axes()["model"], common.tensor_parallel_auto(self.heads)
+        model, auto = self.mesh_axes()["model"], self.auto_mesh()
         common.require(
             self.heads % model == 0,
             "mesh",
-            f"model={model} must divide --heads {self.heads}, e.g. --mesh data={auto['data']},model={auto['model']}",
+            f"model={model} must divide --heads {self.heads}, e.g. --mesh "
+            f"data={auto['data']},model={auto['model']}",
         )
-        jax.tree_util.tree_map_with_path(state_spec, common.model_shapes(self))  # every parameter in PARAM_SPECS
+        # Every parameter in PARAM_SPECS
+        jax.tree_util.tree_map_with_path(state_spec, common.model_shapes(self))
 
 
 def make_mesh(config):
     shape = config.mesh_axes()
     # Auto axes: the compiler may place whatever the specs below leave unsaid.
-    return jax.make_mesh(tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    return jax.make_mesh(
+        tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )
 
 
 # Parameter path pattern -> how its axes are split; the first match wins. A parameter that no
@@ -78,9 +94,11 @@ PARAM_SPECS = (
     (r"mlp/fc1/kernel", P(None, "model")),  # [embed, mlp]; [experts, embed, mlp] with --experts
     (r"mlp/fc1/bias", P("model")),  # [mlp]
     (r"mlp/fc2/kernel", P("model", None)),  # [mlp, embed]
-    (r"embed/token/embedding", P("model", None)),  # [vocab, embed]: each device a part of the vocabulary
+    # [vocab, embed]: each device a part of the vocabulary
+    (r"embed/token/embedding", P("model", None)),
     (r"head/out/kernel", P(None, "model")),  # [embed, vocab]: each device the logits of its part
-    (r"embed/position/embedding|ln\w*/(scale|bias)|out/bias|fc2/bias|mlp/router/kernel", P()),  # replicated: small
+    # Replicated: small
+    (r"embed/position/embedding|ln\w*/(scale|bias)|out/bias|fc2/bias|mlp/router/kernel", P()),
 )
 BATCH_SPEC = P("data")  # rows split over 'data'
 
@@ -89,18 +107,23 @@ def state_spec(path, leaf):
     """The PartitionSpec of one leaf of the state: its parameter's (Adam's moments end with the
     parameter's path), or P() for a number (step counters, the random key)."""
     name = jax.tree_util.keystr(path, simple=True, separator="/")
-    spec = next((spec for pattern, spec in PARAM_SPECS if re.search(pattern, name)), None if leaf.ndim else P())
+    spec = next(
+        (spec for pattern, spec in PARAM_SPECS if re.search(pattern, name)),
+        None if leaf.ndim else P(),
+    )
     if spec is None:
         raise common.ConfigError(
-            f"{name} {tuple(leaf.shape)} is in no entry of pjit_tp.py's PARAM_SPECS: add one saying how it is split "
-            "(P() replicates it)"
+            f"{name} {tuple(leaf.shape)} is in no entry of pjit_tp.py's PARAM_SPECS: add one "
+            "saying how it is split (P() replicates it)"
         )
     # With --scan-layers the blocks are stacked: the stacking axis comes first, unsplit.
     return P(*[None] * (leaf.ndim - len(spec)), *spec) if spec else spec
 
 
 def state_shardings(abstract_state, mesh):
-    return jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, state_spec(path, x)), abstract_state)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: NamedSharding(mesh, state_spec(path, x)), abstract_state
+    )
 
 
 def init_state(config, mesh, shapes_only=False):
@@ -111,13 +134,14 @@ def init_state(config, mesh, shapes_only=False):
     return create.eval_shape() if shapes_only else create()
 
 
-def train_step(state, batch, microbatches):
+def train_step(state, batch, config):
     """The single-device step, unchanged: jit partitions it over the mesh."""
     rng = jax.random.fold_in(state.rng, state.step)
-    grads, metrics = common.accumulate_gradients(state, batch, rng, microbatches)
-    # The optimizer clips by the global norm of `grads`: jit adds up its shards' partial sums.
-    state = state.apply_gradients(grads=grads)
-    return state, {**metrics, "grad_norm": common.gradient_norm(state)}
+    grads, metrics = common.accumulate_gradients(state, batch, rng, config.microbatches)
+    # The global norm, for clipping: jit adds up its shards' partial sums
+    norm = optax.tree.norm(grads)
+    state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
+    return state, {**metrics, "grad_norm": norm}
 
 
 def eval_step(state, batch):
@@ -137,7 +161,7 @@ def main(config):
     state_shapes = init_state(config, mesh, shapes_only=True)
     state_sharding = jax.tree.map(lambda x: x.sharding, state_shapes)
     step_fn = jax.jit(
-        functools.partial(train_step, microbatches=config.microbatches),
+        functools.partial(train_step, config=config),
         in_shardings=(state_sharding, NamedSharding(mesh, BATCH_SPEC)),
         out_shardings=(state_sharding, NamedSharding(mesh, P())),
         donate_argnums=0,
@@ -159,7 +183,8 @@ def main(config):
     layout = f"mesh data={mesh.shape['data']},model={mesh.shape['model']}, Megatron tensor parallel"
     log = common.Logger(config, dataset, layout, report, state.params, start)
     try:
-        for step, rows in common.train_batches(dataset, config, start, log):  # made ahead, in a thread
+        # Made ahead, in a thread
+        for step, rows in common.train_batches(dataset, config, start, log):
             batch = device_batch(rows, mesh)
             # The program compiled above, which the report describes.
             state, metrics = compiled(state, batch)

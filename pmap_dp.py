@@ -26,6 +26,7 @@ import dataclasses
 import functools
 
 import jax
+import optax
 from jax import lax
 
 import common
@@ -71,16 +72,16 @@ def from_saved(saved, state):
     )
 
 
-def train_step(state, batch, microbatches):
+def train_step(state, batch, config):
     """One device's share of a step: its full copy of the state, its rows of the batch."""
     # Every device must drop different units: fold the device's index into the step's key.
     rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index("data"))
-    grads, metrics = common.accumulate_gradients(state, batch, rng, microbatches)
+    grads, metrics = common.accumulate_gradients(state, batch, rng, config.microbatches)
     grads = lax.pmean(grads, "data")  # all-reduce: every copy now applies the same update
     metrics = lax.psum(metrics, "data")
-    # The optimizer clips by the global norm of `grads`: every device holds all of it now.
-    state = state.apply_gradients(grads=grads)
-    return state, {**metrics, "grad_norm": common.gradient_norm(state)}
+    norm = optax.tree.norm(grads)  # the global norm, for clipping: every device holds all of it now
+    state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
+    return state, {**metrics, "grad_norm": norm}
 
 
 def eval_step(state, batch):
@@ -98,7 +99,7 @@ def main(config):
     dataset = common.load_dataset(config)
     state = init_state(config)
     step_fn = jax.pmap(
-        functools.partial(train_step, microbatches=config.microbatches),
+        functools.partial(train_step, config=config),
         axis_name="data",
         donate_argnums=0,
     )
@@ -107,14 +108,16 @@ def main(config):
     # from every process's pieces), so its step is checked to fit in memory once the state exists.
     first_batch = device_batch(common.host_batch(dataset, config, 0))
     compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
-    checkpoints = common.Checkpoints(config, to_saved, from_saved)  # saved as one copy, not one per device
+    # Saved as one copy, not one per device
+    checkpoints = common.Checkpoints(config, to_saved, from_saved)
     state, start = checkpoints.restore(state)
     eval_data = [device_batch(b) for b in common.eval_batches(dataset, config)]
     report = common.cost_report(config, state, compiled, compile_seconds)
     layout = f"pmap over {jax.local_device_count()} local devices, state replicated"
     log = common.Logger(config, dataset, layout, report, state.params, start)
     try:
-        for step, rows in common.train_batches(dataset, config, start, log):  # made ahead, in a thread
+        # Made ahead, in a thread
+        for step, rows in common.train_batches(dataset, config, start, log):
             batch = device_batch(rows)
             # pmap runs the program compiled above (it caches it; the tests check that nothing
             # compiles in the loop). `compiled` itself would want every process's rows.

@@ -24,6 +24,7 @@ import dataclasses
 import functools
 
 import jax
+import optax
 from jax import lax
 
 import common
@@ -53,7 +54,7 @@ def init_state(config, mesh, shapes_only=False):
     return create.eval_shape() if shapes_only else create()
 
 
-def train_step(state, batch, microbatches):
+def train_step(state, batch, config):
     """One device's share of a step: its full copy of the state, its rows of the batch."""
     # Every device must drop different units: fold the device's index into the step's key.
     rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index("data"))
@@ -61,12 +62,12 @@ def train_step(state, batch, microbatches):
     # its own and averaging them is ours to write, as in pmap. Left unmarked, check_vma would
     # insert the reduction itself: a psum, which is a sum, not the mean we want.
     local = state.replace(params=lax.pcast(state.params, "data", to="varying"))
-    grads, metrics = common.accumulate_gradients(local, batch, rng, microbatches)
+    grads, metrics = common.accumulate_gradients(local, batch, rng, config.microbatches)
     grads = lax.pmean(grads, "data")  # all-reduce: every copy now applies the same update
     metrics = lax.psum(metrics, "data")
-    # The optimizer clips by the global norm of `grads`: every device holds all of it now.
-    state = state.apply_gradients(grads=grads)
-    return state, {**metrics, "grad_norm": common.gradient_norm(state)}
+    norm = optax.tree.norm(grads)  # the global norm, for clipping: every device holds all of it now
+    state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
+    return state, {**metrics, "grad_norm": norm}
 
 
 def eval_step(state, batch):
@@ -86,14 +87,16 @@ def main(config):
     state_shapes = init_state(config, mesh, shapes_only=True)
     step_fn = jax.jit(
         jax.shard_map(
-            functools.partial(train_step, microbatches=config.microbatches),
+            functools.partial(train_step, config=config),
             mesh=mesh,
             in_specs=(STATE_SPEC, BATCH_SPEC),
             out_specs=(STATE_SPEC, P()),
         ),
         donate_argnums=0,
     )
-    eval_fn = jax.jit(jax.shard_map(eval_step, mesh=mesh, in_specs=(STATE_SPEC, BATCH_SPEC), out_specs=P()))
+    eval_fn = jax.jit(
+        jax.shard_map(eval_step, mesh=mesh, in_specs=(STATE_SPEC, BATCH_SPEC), out_specs=P())
+    )
     # Compiled for the shapes of the state and of a batch, before either exists: a step too big
     # for the devices stops here, with one line, before anything is allocated.
     batch_shapes = common.batch_shape(config, NamedSharding(mesh, BATCH_SPEC))
@@ -106,7 +109,8 @@ def main(config):
     layout = f"mesh data={mesh.shape['data']}, state replicated"
     log = common.Logger(config, dataset, layout, report, state.params, start)
     try:
-        for step, rows in common.train_batches(dataset, config, start, log):  # made ahead, in a thread
+        # Made ahead, in a thread
+        for step, rows in common.train_batches(dataset, config, start, log):
             batch = device_batch(rows, mesh)
             # The program compiled above, which the report describes.
             state, metrics = compiled(state, batch)

@@ -10,8 +10,8 @@ and with --write it writes those into benchmarks/ and puts the table into docs/c
 between the benchmark markers: the tracked files change only when asked. With --remat, each strategy
 is also compiled with --remat (one step) to show what rematerialisation saves.
 
-  python benchmarks/benchmark.py --write              # docs/costs.md's figures, 200 steps (~8 min on CPU)
-  python benchmarks/benchmark.py -- --dtype bfloat16  # flags after -- go to every script; prints only
+  python benchmarks/benchmark.py --write              # docs/costs.md's figures (~8 min on CPU)
+  python benchmarks/benchmark.py -- --dtype bfloat16  # flags after -- go to every script
 """
 
 import argparse
@@ -30,14 +30,19 @@ STRATEGIES = {
     "fsdp": ["fsdp.py"],
     "hsdp": ["fsdp.py", "--mesh", "replica=2,data=4"],
     "pjit_tp": ["pjit_tp.py"],
-    **{f"logical {rules}": ["logical_pjit.py", "--rules", rules] for rules in ("dp", "fsdp", "hsdp", "tp", "fsdp_tp")},
+    **{
+        f"logical {rules}": ["logical_pjit.py", "--rules", rules]
+        for rules in ("dp", "fsdp", "hsdp", "tp", "fsdp_tp")
+    },
     "pipeline gpipe": ["pipeline.py", "--schedule", "gpipe"],
     "pipeline 1f1b": ["pipeline.py", "--schedule", "1f1b"],
     "pipeline zero-bubble": ["pipeline.py", "--schedule", "zero-bubble"],
-    "pipeline interleaved": ["pipeline.py", "--schedule", "interleaved"],  # 4 layers: data=4,stage=2
+    # 4 layers: data=4,stage=2
+    "pipeline interleaved": ["pipeline.py", "--schedule", "interleaved"],
     "context_parallel": ["context_parallel.py"],
 }
-NO_REMAT = {name for name in STRATEGIES if name.startswith("pipeline")}  # each stage's backward recomputes it
+# Each stage's backward recomputes it
+NO_REMAT = {name for name in STRATEGIES if name.startswith("pipeline")}
 README_START, README_END = "<!-- benchmark:start -->", "<!-- benchmark:end -->"
 
 
@@ -62,9 +67,9 @@ def collective_cell(c):
 
 def table(rows):
     header = (
-        "| strategy | final loss | held-out loss | state MB/device | × total/N | compiled args MB | "
-        "temp MB | temp MB, --remat | all-reduce n / MB | all-gather n / MB | reduce-scatter n / MB | "
-        "other n / MB | compile s | ms/step | tokens/s | MFU |"
+        "| strategy | final loss | held-out loss | state MB/device | × total/N | compiled args MB "
+        "| temp MB | temp MB, --remat | all-reduce n / MB | all-gather n / MB | reduce-scatter n "
+        "/ MB | other n / MB | compile s | ms/step | tokens/s | MFU |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for strategy, (_, s, remat) in rows.items():
@@ -104,7 +109,9 @@ def plot(rows, path):
     figure, (losses, memory) = plt.subplots(1, 2, figsize=(13, 4.5))
     for strategy, (records, _, _) in rows.items():
         trained = [r for r in records if "loss" in r]  # not the held-out evaluations
-        losses.plot([r["step"] for r in trained], [r["loss"] for r in trained], label=strategy, linewidth=1)
+        losses.plot(
+            [r["step"] for r in trained], [r["loss"] for r in trained], label=strategy, linewidth=1
+        )
     floor = next(iter(rows.values()))[1]["loss_floor"]
     if floor is not None:
         losses.axhline(floor, color="black", linestyle=":", linewidth=1, label="loss floor")
@@ -115,7 +122,12 @@ def plot(rows, path):
     bars = memory.barh(names, per_device, color="tab:blue")
     memory.bar_label(bars, fmt="%.2f", fontsize=8)
     total = next(iter(rows.values()))[1]
-    memory.axvline(total["state_bytes_total"] / total["devices"] / 1e6, color="black", linestyle=":", label="total / N")
+    memory.axvline(
+        total["state_bytes_total"] / total["devices"] / 1e6,
+        color="black",
+        linestyle=":",
+        label="total / N",
+    )
     memory.set(xlabel="MB per device (parameters + Adam state)", title="State bytes per device")
     memory.invert_yaxis()
     memory.legend(fontsize=8)
@@ -124,20 +136,36 @@ def plot(rows, path):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="write results.md and results.png into this folder")
-    parser.add_argument(
-        "--write", action="store_true", help="write them into benchmarks/ and the table into docs/costs.md"
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--only", default=",".join(STRATEGIES), help="comma-separated strategies to run")
     parser.add_argument(
-        "--remat", action=argparse.BooleanOptionalAction, default=True, help="also compile with --remat"
+        "--out", type=Path, help="write results.md and results.png into this folder"
     )
-    parser.add_argument("flags", nargs="*", help="flags for every script, after --, e.g. -- --steps 50")
+    parser.add_argument(
+        "--write",
+        action="store_true",
+        help="write them into benchmarks/ and the table into docs/costs.md",
+    )
+    parser.add_argument(
+        "--only", default=",".join(STRATEGIES), help="comma-separated strategies to run"
+    )
+    parser.add_argument(
+        "--remat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also compile with --remat",
+    )
+    parser.add_argument(
+        "flags", nargs="*", help="flags for every script, after --, e.g. -- --steps 50"
+    )
     args = parser.parse_args()
     unknown = set(args.only.split(",")) - set(STRATEGIES)
     if unknown:
-        parser.error(f"--only: unknown strategies {', '.join(sorted(unknown))}; choose from {', '.join(STRATEGIES)}")
+        parser.error(
+            f"--only: unknown strategies {', '.join(sorted(unknown))}; choose from "
+            f"{', '.join(STRATEGIES)}"
+        )
     flags = ["--log-every=5", *args.flags]
     rows = {}
     with tempfile.TemporaryDirectory() as folder:
@@ -149,17 +177,22 @@ def main():
                 remat = run(strategy, [*flags, "--steps=1", "--eval-every=0", "--remat"], folder)[1]
             rows[strategy] = (records, summary, remat)
             print(
-                f"{strategy}: final loss {summary['final_loss']:.4f} ({time.perf_counter() - start:.0f}s)", flush=True
+                f"{strategy}: final loss {summary['final_loss']:.4f} "
+                f"({time.perf_counter() - start:.0f}s)",
+                flush=True,
             )
     first = next(iter(rows.values()))[1]
-    command = " ".join(["python benchmarks/benchmark.py", *(["--", *args.flags] if args.flags else [])])
+    command = " ".join(
+        ["python benchmarks/benchmark.py", *(["--", *args.flags] if args.flags else [])]
+    )
     described = (
         f"`{command}`: {first['devices']} {first['device_kind']} devices, {first['steps']} steps, "
         f"{first['param_count'] / 1e6:.2f}M parameters ({first['param_bytes'] / 1e6:.2f} MB), "
-        f"state {first['state_bytes_total'] / 1e6:.2f} MB in all. Collectives: count per step and MB per "
-        "device (the larger of each op's input and output)."
+        f"state {first['state_bytes_total'] / 1e6:.2f} MB in all. Collectives: count per step and "
+        "MB per device (the larger of each op's input and output)."
     )
-    markdown = f"{described}\n\n{table(rows)}\n\n![loss curves and state bytes per device](benchmarks/results.png)\n"
+    picture = "![loss curves and state bytes per device](benchmarks/results.png)"
+    markdown = f"{described}\n\n{table(rows)}\n\n{picture}\n"
     print(markdown)
     out = Path(__file__).parent if args.write else args.out
     if out:
@@ -171,7 +204,9 @@ def main():
         page = ROOT / "docs" / "costs.md"
         text = page.read_text()
         start, end = text.index(README_START) + len(README_START), text.index(README_END)
-        page.write_text(text[:start] + "\n" + markdown.replace("](benchmarks/", "](../benchmarks/") + text[end:])
+        page.write_text(
+            text[:start] + "\n" + markdown.replace("](benchmarks/", "](../benchmarks/") + text[end:]
+        )
         print(f"wrote the table into {page}")
 
 

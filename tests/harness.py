@@ -32,13 +32,36 @@ import shardmap_dp
 ROOT = Path(__file__).resolve().parent.parent
 DEVICES = 8  # conftest.py starts JAX with 8 emulated CPU devices
 SMALL = dict(
-    steps=20, batch_size=16, seq_len=32, layers=2, d_model=64, heads=4, dropout=0.0, lr=3e-3, warmup_steps=5,
-    log_every=20, cpu_devices=DEVICES,
-)  # fmt: skip
+    steps=20,
+    batch_size=16,
+    seq_len=32,
+    layers=2,
+    d_model=64,
+    heads=4,
+    dropout=0.0,
+    lr=3e-3,
+    warmup_steps=5,
+    log_every=20,
+    cpu_devices=DEVICES,
+)
 RTOL = 1e-5  # per-step losses and final parameters within 1e-5 of one device, relative
 # A still smaller run, for the command line: seconds, not tens of seconds.
-TINY = ["--steps", "3", "--batch-size", "8", "--seq-len", "16", "--layers", "1", "--d-model", "32", "--log-every", "1",
-        "--microbatches", "1"]  # fmt: skip
+TINY = [
+    "--steps",
+    "3",
+    "--batch-size",
+    "8",
+    "--seq-len",
+    "16",
+    "--layers",
+    "1",
+    "--d-model",
+    "32",
+    "--log-every",
+    "1",
+    "--microbatches",
+    "1",
+]
 
 SCRIPTS = {
     "pmap_dp": pmap_dp,
@@ -59,22 +82,31 @@ STRATEGIES = {
     if name not in ("logical_pjit", "pipeline", "expert_parallel")
 }
 STRATEGIES["hsdp"] = (fsdp, {"mesh": "replica=2,data=4"})
-STRATEGIES.update({f"logical_{rules}": (logical_pjit, {"rules": rules}) for rules in logical_pjit.RULES})
-STRATEGIES.update({f"pipeline_{s}": (pipeline, {"schedule": s, "microbatches": 2}) for s in pipeline.SCHEDULES})
+STRATEGIES.update(
+    {f"logical_{rules}": (logical_pjit, {"rules": rules}) for rules in logical_pjit.RULES}
+)
+STRATEGIES.update(
+    {f"pipeline_{s}": (pipeline, {"schedule": s, "microbatches": 2}) for s in pipeline.SCHEDULES}
+)
 # Interleaved: 2 groups of layers per stage need 4 layers on 2 stages ('auto': data=4,stage=2).
 STRATEGIES["pipeline_interleaved"][1]["layers"] = 4
 # expert_parallel.py trains a mixture of experts only: data=2,expert=4 ('auto') and data=1,expert=8.
 STRATEGIES["expert_parallel"] = (expert_parallel, MOE)
 STRATEGIES["expert_parallel_8"] = (expert_parallel, {**MOE, "mesh": "data=1,expert=8"})
 # Each script with its default flags, as a strategy name: logical_pjit.py defaults to fsdp_tp.
-DEFAULTS = {name: name for name in SCRIPTS} | {"logical_pjit": "logical_fsdp_tp", "pipeline": "pipeline_1f1b"}
+DEFAULTS = {name: name for name in SCRIPTS} | {
+    "logical_pjit": "logical_fsdp_tp",
+    "pipeline": "pipeline_1f1b",
+}
 
 
 def matrix(values, default):
     """A test's parameters: those in `default` run in every `pytest`, the others only in the
     whole matrix (`pytest -m full`, see pyproject.toml). A value may be a tuple of several."""
     return [
-        value if value in default else pytest.param(*value if isinstance(value, tuple) else [value], marks=FULL)
+        value
+        if value in default
+        else pytest.param(*value if isinstance(value, tuple) else [value], marks=FULL)
         for value in values
     ]
 
@@ -121,21 +153,29 @@ def replica_groups(line):
     """The device groups of one collective, from any of the three forms XLA prints."""
     # Groups vary along named axes of a mesh, whose devices are in order or an iota's permutation.
     mesh = re.search(
-        r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? \{([^}]*)\}", line
+        r"replica_groups=mesh\[([^\]]*)\](?:, device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))? "
+        r"\{([^}]*)\}",
+        line,
     )
     if mesh:
         axes = re.findall(r"'(\w+)'=(\d+)", mesh.group(1))
-        varying = [[name for name, _ in axes].index(a) for a in re.findall(r"'(\w+)'", mesh.group(4))]
+        varying = [
+            [name for name, _ in axes].index(a) for a in re.findall(r"'(\w+)'", mesh.group(4))
+        ]
         ids = np.arange(DEVICES)
         if mesh.group(2):
             ids = ids.reshape([int(d) for d in mesh.group(2).split(",")])
-            ids = ids.transpose([int(p) for p in mesh.group(3).split(",")]) if mesh.group(3) else ids
+            ids = (
+                ids.transpose([int(p) for p in mesh.group(3).split(",")]) if mesh.group(3) else ids
+            )
         ids = ids.reshape([int(size) for _, size in axes])
         kept = [i for i in range(ids.ndim) if i not in varying]
         ids = ids.transpose(kept + varying)
         return {tuple(g) for g in ids.reshape(-1, math.prod(ids.shape[len(kept) :])).tolist()}
     if explicit := re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line):
-        return {tuple(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", explicit.group(1))}
+        return {
+            tuple(map(int, g.split(","))) for g in re.findall(r"\{([\d,]+)\}", explicit.group(1))
+        }
     if iota := re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line):
         count, size, dims, perm = iota.groups()
         ids = np.arange(DEVICES).reshape([int(d) for d in dims.split(",")])
@@ -146,7 +186,8 @@ def replica_groups(line):
 
 
 ALL = {tuple(range(DEVICES))}
-MODEL_GROUPS = {tuple(row) for row in np.arange(DEVICES).reshape(2, 4).tolist()}  # mesh data=2,model=4
+# Mesh data=2,model=4
+MODEL_GROUPS = {tuple(row) for row in np.arange(DEVICES).reshape(2, 4).tolist()}
 DATA_GROUPS = {tuple(col) for col in np.arange(DEVICES).reshape(2, 4).T.tolist()}
 
 
@@ -179,9 +220,13 @@ def copy_alone(script, folder):
 def run_script(script, tmp_path, *flags, env=None, timeout=300):
     copy_alone(script, tmp_path)
     return subprocess.run(
-        [sys.executable, f"{script}.py", *flags], cwd=tmp_path, capture_output=True, text=True, timeout=timeout,
+        [sys.executable, f"{script}.py", *flags],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
         env=env,
-    )  # fmt: skip
+    )
 
 
 def as_flags(settings):
@@ -210,12 +255,23 @@ def cluster(script, tmp_path, flags, heartbeat=30, extra=((), ()), started=(0, 1
             log = open(tmp_path / f"process{i}.log", "w")
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, f"{script}.py", *flags, f"--cpu-devices={DEVICES // PROCESSES}",
-                     f"--coordinator-address=127.0.0.1:{port}", f"--num-processes={PROCESSES}",
-                     f"--process-id={i}", f"--heartbeat-timeout={heartbeat}", *extra[i]],
-                    cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    [
+                        sys.executable,
+                        f"{script}.py",
+                        *flags,
+                        f"--cpu-devices={DEVICES // PROCESSES}",
+                        f"--coordinator-address=127.0.0.1:{port}",
+                        f"--num-processes={PROCESSES}",
+                        f"--process-id={i}",
+                        f"--heartbeat-timeout={heartbeat}",
+                        *extra[i],
+                    ],
+                    cwd=tmp_path,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
-            )  # fmt: skip
+            )
             log.close()
         yield procs
     finally:

@@ -22,15 +22,21 @@ def _init(names, scale=1.0):
 
 
 def _dense(config, features, names, name, scale=1.0):
-    return nn.Dense(features, use_bias=False, kernel_init=_init(names, scale), dtype=config.dtype, name=name)
+    return nn.Dense(
+        features, use_bias=False, kernel_init=_init(names, scale), dtype=config.dtype, name=name
+    )
 
 
 class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
-        scale = self.param("scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (x.shape[-1],))
+        scale = self.param(
+            "scale", nn.with_logical_partitioning(nn.initializers.ones, ("norm",)), (x.shape[-1],)
+        )
         x32 = x.astype(jnp.float32)
-        return (x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + 1e-6) * scale).astype(x.dtype)
+        return (
+            x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + 1e-6) * scale
+        ).astype(x.dtype)
 
 
 def rotary(x, positions):
@@ -47,7 +53,13 @@ class Embed(common.Piece):
     @nn.compact
     def __call__(self, tokens, deterministic):
         c = self.config
-        x = nn.Embed(c.vocab_size, c.d_model, embedding_init=_init(("vocab", "embed")), dtype=c.dtype, name="token")
+        x = nn.Embed(
+            c.vocab_size,
+            c.d_model,
+            embedding_init=_init(("vocab", "embed")),
+            dtype=c.dtype,
+            name="token",
+        )
         return nn.Dropout(c.dropout)(x(tokens), deterministic=deterministic)
 
 
@@ -55,25 +67,40 @@ class Block(common.Piece):
     @nn.compact
     def __call__(self, x, deterministic):
         c = self.config
-        head_dim, kv_heads, residual = c.d_model // c.heads, c.heads // GROUP, (2 * c.layers) ** -0.5
+        head_dim, kv_heads, residual = (
+            c.d_model // c.heads,
+            c.heads // GROUP,
+            (2 * c.layers) ** -0.5,
+        )
         h = RMSNorm(name="attn_norm")(x)
-        q = _dense(c, c.d_model, ("embed", "heads"), "q")(h).reshape(*h.shape[:-1], c.heads, head_dim)
+        q = _dense(c, c.d_model, ("embed", "heads"), "q")(h).reshape(
+            *h.shape[:-1], c.heads, head_dim
+        )
         kv = _dense(c, 2 * kv_heads * head_dim, ("embed", "kv_heads"), "kv")(h)
         k, v = jnp.split(kv.reshape(*h.shape[:-1], kv_heads, 2, head_dim), 2, axis=-2)
         positions = self.positions(x.shape[1])
         q, k = rotary(q, positions), rotary(k.squeeze(-2), positions)
-        k, v = (jnp.repeat(t, GROUP, axis=2) for t in (k, v.squeeze(-2)))  # each key/value head to its group
+        # Each key/value head to its group
+        k, v = (jnp.repeat(t, GROUP, axis=2) for t in (k, v.squeeze(-2)))
         attended = self.attend(q, k, v).reshape(*x.shape[:-1], c.d_model)
-        x = x + nn.Dropout(c.dropout)(_dense(c, c.d_model, ("heads", "embed"), "o", residual)(attended), deterministic)
+        x = x + nn.Dropout(c.dropout)(
+            _dense(c, c.d_model, ("heads", "embed"), "o", residual)(attended), deterministic
+        )
         h = RMSNorm(name="mlp_norm")(x)
         hidden = 8 * c.d_model // 3 // 16 * 16 or 16  # SwiGLU's usual width: 2/3 of 4 x d_model
-        gated = nn.silu(_dense(c, hidden, ("embed", "mlp"), "gate")(h)) * _dense(c, hidden, ("embed", "mlp"), "up")(h)
-        x = x + nn.Dropout(c.dropout)(_dense(c, c.d_model, ("mlp", "embed"), "down", residual)(gated), deterministic)
+        gated = nn.silu(_dense(c, hidden, ("embed", "mlp"), "gate")(h)) * _dense(
+            c, hidden, ("embed", "mlp"), "up"
+        )(h)
+        x = x + nn.Dropout(c.dropout)(
+            _dense(c, c.d_model, ("mlp", "embed"), "down", residual)(gated), deterministic
+        )
         return x, None
 
 
 class Head(common.Piece):
     @nn.compact
     def __call__(self, x, deterministic):
-        logits = _dense(self.config, self.config.vocab_size, ("embed", "vocab"), "out")(RMSNorm(name="norm")(x))
+        logits = _dense(self.config, self.config.vocab_size, ("embed", "vocab"), "out")(
+            RMSNorm(name="norm")(x)
+        )
         return logits.astype(jnp.float32)

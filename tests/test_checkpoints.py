@@ -12,14 +12,26 @@ import subprocess
 import sys
 import time
 
+import jax
+import numpy as np
 import pytest
 
 import common
 import shardmap_dp
 from tests.harness import (
-    RTOL, SMALL, TINY, as_flags, cluster, copy_alone, matrix, model_flags, run, run_script, run_uncached,
+    RTOL,
+    SMALL,
+    TINY,
+    as_flags,
+    cluster,
+    copy_alone,
+    matrix,
+    model_flags,
+    run,
+    run_script,
+    run_uncached,
     wait_ok,
-)  # fmt: skip
+)
 
 
 def relative(mine, ref):
@@ -44,7 +56,8 @@ def test_resume_is_exact_in_the_same_script(name, tmp_path):
     first = interrupted(name, tmp_path, dropout=0.1)  # dropout: the rng must resume too
     resumed = run_uncached(name, checkpoint_dir=str(tmp_path), checkpoint_every=10, dropout=0.1)
     print(f"\n{name} resumed at step 10: {len(resumed.losses)} steps, bitwise equal")
-    assert resumed.losses == first.losses[10:] and resumed.grad_norms == first.grad_norms[10:]  # bitwise
+    # Bitwise
+    assert resumed.losses == first.losses[10:] and resumed.grad_norms == first.grad_norms[10:]
     assert steps_in(tmp_path) == [10, 20]
 
 
@@ -87,9 +100,21 @@ def start_training(tmp_path, *flags):
     copy_alone("shardmap_dp", tmp_path)
     log = open(tmp_path / "out.log", "w")
     proc = subprocess.Popen(
-        [sys.executable, "shardmap_dp.py", *TINY, "--steps", "100000", "--checkpoint-dir", "ckpt", *flags],
-        cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "shardmap_dp.py",
+            *TINY,
+            "--steps",
+            "100000",
+            "--checkpoint-dir",
+            "ckpt",
+            *flags,
+        ],
+        cwd=tmp_path,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     log.close()
     return proc
 
@@ -122,13 +147,27 @@ def test_a_stop_signal_saves_writes_the_summary_and_exits_0(signum, tmp_path):
     assert steps_in(tmp_path / "ckpt") == [stopped]
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["summary"]["steps"] == stopped
-    done = run_script("shardmap_dp", tmp_path, *TINY, "--steps", str(stopped + 2), "--checkpoint-dir", "ckpt",
-                      "--metrics-file", "metrics.jsonl")  # fmt: skip
+    done = run_script(
+        "shardmap_dp",
+        tmp_path,
+        *TINY,
+        "--steps",
+        str(stopped + 2),
+        "--checkpoint-dir",
+        "ckpt",
+        "--metrics-file",
+        "metrics.jsonl",
+    )
     assert done.returncode == 0 and f"resumed from the checkpoint of step {stopped}" in done.stdout
-    assert re.search(rf"step +{stopped + 1}/", done.stdout) and not re.search(rf"step +{stopped}/", done.stdout)
+    assert re.search(rf"step +{stopped + 1}/", done.stdout) and not re.search(
+        rf"step +{stopped}/", done.stdout
+    )
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records[:-1]] == list(range(1, stopped + 3))
-    assert records[-1]["summary"]["steps"] == stopped + 2 and records[-1]["summary"]["resumed_from"] == stopped
+    assert (
+        records[-1]["summary"]["steps"] == stopped + 2
+        and records[-1]["summary"]["resumed_from"] == stopped
+    )
     # And it trained on as if never stopped: every step's loss and gradient norm, bit for bit.
     assert [(r["loss"], r["grad_norm"]) for r in records[:-1]] == uninterrupted(stopped + 2)
 
@@ -145,7 +184,8 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path, monkeypatch, capsys):
         signal.raise_signal(signal.SIGINT)
         time.sleep(0.5)
         assert checkpoints.stop_signal == signal.SIGINT and exits == []
-        signal.raise_signal(signal.SIGINT)  # heard by the thread that reads the signals' wake-up pipe
+        # Heard by the thread that reads the signals' wake-up pipe
+        signal.raise_signal(signal.SIGINT)
         deadline = time.monotonic() + 10
         while not exits and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -165,13 +205,21 @@ def test_a_resumed_run_keeps_every_metrics_record(tmp_path):
     with metrics.open("a") as file:
         file.write('{"step": 21, "lo')  # and a record cut short by the crash
     resumed = run_uncached(
-        "shardmap_dp", checkpoint_dir=str(ckpt), checkpoint_every=10, log_every=1, metrics_file=str(metrics)
+        "shardmap_dp",
+        checkpoint_dir=str(ckpt),
+        checkpoint_every=10,
+        log_every=1,
+        metrics_file=str(metrics),
     )
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in records[:-1]] == list(range(1, 21)) and "summary" in records[-1]
     assert [r["loss"] for r in records[:-1]] == first.losses  # bitwise: the same steps
     summary = records[-1]["summary"]
-    assert (summary["steps"], summary["resumed_from"], summary["final_loss"]) == (20, 10, resumed.losses[-1])
+    assert (summary["steps"], summary["resumed_from"], summary["final_loss"]) == (
+        20,
+        10,
+        resumed.losses[-1],
+    )
 
 
 def test_a_save_killed_halfway_is_never_read(tmp_path):
@@ -191,42 +239,70 @@ def test_a_save_killed_halfway_is_never_read(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     complete = max(int(n) for n in os.listdir(ckpt) if n.isdigit())
     assert any("tmp" in n for n in os.listdir(ckpt))  # killed in the middle of a save
-    done = run_script("shardmap_dp", tmp_path, *TINY, "--steps", str(complete + 1), "--checkpoint-dir", "ckpt",
-                      "--metrics-file", "metrics.jsonl")  # fmt: skip
+    done = run_script(
+        "shardmap_dp",
+        tmp_path,
+        *TINY,
+        "--steps",
+        str(complete + 1),
+        "--checkpoint-dir",
+        "ckpt",
+        "--metrics-file",
+        "metrics.jsonl",
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert f"resumed from the checkpoint of step {complete}" in done.stdout
     assert not any("tmp" in n for n in os.listdir(ckpt))  # cleaned up
     # The step after the checkpoint, as a run never killed trains it, bit for bit.
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["loss"], r["grad_norm"]) for r in records[:-1]] == uninterrupted(complete + 1)[complete:]
+    assert [(r["loss"], r["grad_norm"]) for r in records[:-1]] == uninterrupted(complete + 1)[
+        complete:
+    ]
 
 
 def test_checkpoint_of_another_model_exits_2(tmp_path):
     """Named by the first flag that differs; for a checkpoint that records no flags (written
     by an earlier version), by the first parameter whose shape differs."""
-    run_uncached("shardmap_dp", checkpoint_dir=str(tmp_path / "ckpt"), steps=1)  # d_model 64, 2 layers
+    # d_model 64, 2 layers
+    run_uncached("shardmap_dp", checkpoint_dir=str(tmp_path / "ckpt"), steps=1)
     done = run_script("fsdp", tmp_path, *TINY, "--checkpoint-dir", "ckpt")  # d_model 32, 1 layer
     assert done.returncode == 2 and "Traceback" not in done.stderr
     error = done.stderr.strip().splitlines()
-    assert len(error) == 1 and "--layers 1 differs from 2 in the checkpoint of step 1 in ckpt" in error[0], error
+    assert (
+        len(error) == 1
+        and "--layers 1 differs from 2 in the checkpoint of step 1 in ckpt" in error[0]
+    ), error
     metadata = tmp_path / "ckpt" / "1" / "_CHECKPOINT_METADATA"
     metadata.write_text(json.dumps({**json.loads(metadata.read_text()), "custom_metadata": {}}))
     done = run_script("fsdp", tmp_path, *TINY, "--checkpoint-dir", "ckpt")
     assert done.returncode == 2 and "Traceback" not in done.stderr
     error = done.stderr.strip().splitlines()
-    assert len(error) == 1 and "holds another model: block_0/attn/out/bias is (64,) there but (32,) here" in error[0]
+    assert (
+        len(error) == 1
+        and "holds another model: block_0/attn/out/bias is (64,) there but (32,) here" in error[0]
+    )
 
 
 def test_unwritable_checkpoint_dir_exits_2(tmp_path):
     (tmp_path / "a_file").write_text("")  # no folder can be made under a file, not even by root
     done = run_script("pjit_tp", tmp_path, *TINY, "--checkpoint-dir", "a_file/ckpt")
-    assert done.returncode == 2 and "--checkpoint-dir a_file/ckpt cannot be written" in done.stderr, done.stderr
+    assert (
+        done.returncode == 2 and "--checkpoint-dir a_file/ckpt cannot be written" in done.stderr
+    ), done.stderr
 
 
 def two_processes(script, tmp_path, metrics_file):
     """2 processes x 4 devices train SMALL for 10 steps with a checkpoint every 5 in
     tmp_path/ckpt; their metrics records, less the summary."""
-    flags = as_flags({**SMALL, "steps": 10, "log_every": 1, "checkpoint_dir": tmp_path / "ckpt", "checkpoint_every": 5})
+    flags = as_flags(
+        {
+            **SMALL,
+            "steps": 10,
+            "log_every": 1,
+            "checkpoint_dir": tmp_path / "ckpt",
+            "checkpoint_every": 5,
+        }
+    )
     with cluster(script, tmp_path, flags + [f"--metrics-file={tmp_path / metrics_file}"]) as procs:
         wait_ok(procs, tmp_path)
     return [json.loads(line) for line in (tmp_path / metrics_file).read_text().splitlines()][:-1]
@@ -241,7 +317,9 @@ def test_two_processes_resume(script, tmp_path):
     shutil.rmtree(tmp_path / "ckpt" / "10")
     resumed = two_processes(script, tmp_path, "resumed.jsonl")
     assert [r["step"] for r in resumed] == list(range(6, 11))
-    assert [(r["loss"], r["grad_norm"]) for r in resumed] == [(r["loss"], r["grad_norm"]) for r in first[5:]]  # bitwise
+    assert [(r["loss"], r["grad_norm"]) for r in resumed] == [
+        (r["loss"], r["grad_norm"]) for r in first[5:]
+    ]  # bitwise
 
 
 def test_metrics_file_folder_is_created(tmp_path):
@@ -257,16 +335,22 @@ def test_a_second_run_on_the_same_folder_exits_2(tmp_path):
     proc = start_training(tmp_path, "--checkpoint-every", "2")
     try:
         wait_for(lambda: re.search(r"step +3/", (tmp_path / "out.log").read_text()), [proc])
-        second = run_script("shardmap_dp", tmp_path, *TINY, "--seed", "1", "--checkpoint-dir", "ckpt")
+        second = run_script(
+            "shardmap_dp", tmp_path, *TINY, "--seed", "1", "--checkpoint-dir", "ckpt"
+        )
         assert second.returncode == 2 and second.stdout == ""
         error = second.stderr.strip().splitlines()
-        assert len(error) == 1 and "--checkpoint-dir ckpt is in use by a run on host" in error[0], error
+        assert len(error) == 1 and "--checkpoint-dir ckpt is in use by a run on host" in error[0], (
+            error
+        )
         assert f"process id {proc.pid}," in error[0]
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     latest = steps_in(tmp_path / "ckpt")[-1]
-    third = run_script("shardmap_dp", tmp_path, *TINY, "--steps", str(latest + 1), "--checkpoint-dir", "ckpt")
+    third = run_script(
+        "shardmap_dp", tmp_path, *TINY, "--steps", str(latest + 1), "--checkpoint-dir", "ckpt"
+    )
     assert third.returncode == 0, third.stderr[-2000:]
     assert f"resumed from the checkpoint of step {latest}" in third.stdout
 
@@ -289,7 +373,13 @@ def corrupt(folder, how):
         folder.mkdir()
 
 
-HOW = ["data file deleted", "data file truncated", "data file overwritten", "garbage metadata", "empty step folder"]
+HOW = [
+    "data file deleted",
+    "data file truncated",
+    "data file overwritten",
+    "garbage metadata",
+    "empty step folder",
+]
 
 
 @pytest.mark.parametrize("how", matrix(HOW, ["data file truncated", "empty step folder"]))
@@ -319,7 +409,10 @@ def test_no_readable_checkpoint_exits_2(tmp_path, capsys):
         run_uncached("shardmap_dp", checkpoint_dir=str(tmp_path), checkpoint_every=10)
     out, err = capsys.readouterr()
     assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
-    assert "holds no readable checkpoint (20: a file of it is" in err and "; 10: a file of it is" in err
+    assert (
+        "holds no readable checkpoint (20: a file of it is" in err
+        and "; 10: a file of it is" in err
+    )
 
 
 def test_a_folder_of_other_folders_is_not_a_checkpoint_folder(tmp_path):
@@ -328,7 +421,9 @@ def test_a_folder_of_other_folders_is_not_a_checkpoint_folder(tmp_path):
     done = run_script("fsdp", tmp_path, *TINY, "--checkpoint-dir", "ckpt")
     assert done.returncode == 2 and done.stdout == ""
     assert len(done.stderr.strip().splitlines()) == 1
-    assert "--checkpoint-dir ckpt holds folders named 1, 2023 that are not checkpoints" in done.stderr
+    assert (
+        "--checkpoint-dir ckpt holds folders named 1, 2023 that are not checkpoints" in done.stderr
+    )
 
 
 @pytest.mark.parametrize(
@@ -344,7 +439,9 @@ def test_resuming_with_another_model_exits_2(flags, message, tmp_path):
     """A flag that changes what the saved weights mean cannot change on resume, even when the
     shapes stay the same (--heads re-reads the attention weights as another head layout)."""
     assert run_script("shardmap_dp", tmp_path, *TINY, "--checkpoint-dir", "ckpt").returncode == 0
-    done = run_script("shardmap_dp", tmp_path, *TINY, "--checkpoint-dir", "ckpt", "--steps", "5", *flags)
+    done = run_script(
+        "shardmap_dp", tmp_path, *TINY, "--checkpoint-dir", "ckpt", "--steps", "5", *flags
+    )
     assert done.returncode == 2 and done.stdout == "", done.stdout
     assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr, done.stderr
 
@@ -353,8 +450,19 @@ def test_resuming_with_another_trajectory_says_so(tmp_path):
     """Flags of the trajectory may change on resume, with one line naming old -> new; the
     strategy, the mesh and the device count change freely."""
     assert run_script("fsdp", tmp_path, *TINY, "--checkpoint-dir", "ckpt").returncode == 0
-    done = run_script("pjit_tp", tmp_path, *TINY, "--checkpoint-dir", "ckpt", "--steps", "5", "--lr", "0.001",
-                      "--mesh", "data=4,model=2")  # fmt: skip
+    done = run_script(
+        "pjit_tp",
+        tmp_path,
+        *TINY,
+        "--checkpoint-dir",
+        "ckpt",
+        "--steps",
+        "5",
+        "--lr",
+        "0.001",
+        "--mesh",
+        "data=4,model=2",
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "resuming with changed flags: --steps 3 -> 5, --lr 0.003 -> 0.001\n" in done.stdout
     assert "resumed from the checkpoint of step 3" in done.stdout and "step 5/5" in done.stdout
@@ -363,17 +471,30 @@ def test_resuming_with_another_trajectory_says_so(tmp_path):
 def test_a_failed_save_stops_with_one_line(tmp_path):
     """A save that cannot be written (here: a file size limit, as a full disk would) stops the
     run with one line naming the step and the folder; the checkpoints before it are intact."""
-    assert run_script("shardmap_dp", tmp_path, *TINY, "--checkpoint-dir", "ckpt", "--steps", "2").returncode == 0
+    assert (
+        run_script(
+            "shardmap_dp", tmp_path, *TINY, "--checkpoint-dir", "ckpt", "--steps", "2"
+        ).returncode
+        == 0
+    )
     # Writes past 20 kB fail (EFBIG: Python ignores SIGXFSZ), as they would on a full disk.
-    command = f"ulimit -f 20 && exec {sys.executable} shardmap_dp.py {' '.join(TINY)} --steps 8 --checkpoint-dir ckpt"
+    flags = " ".join([*TINY, "--steps", "8", "--checkpoint-dir", "ckpt"])
+    command = f"ulimit -f 20 && exec {sys.executable} shardmap_dp.py {flags}"
     done = subprocess.run(
-        ["bash", "-c", command + " --checkpoint-every 2"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+        ["bash", "-c", command + " --checkpoint-every 2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 1
     error = done.stderr.strip().splitlines()
     assert len(error) == 1, done.stderr[-3000:]
     print(f"\n{error[0]}")
-    assert "error: could not save the checkpoint of step 4 in ckpt (a file grew larger than" in error[0]
+    assert (
+        "error: could not save the checkpoint of step 4 in ckpt (a file grew larger than"
+        in error[0]
+    )
     assert steps_in(tmp_path / "ckpt") == [2]
     again = run_script("shardmap_dp", tmp_path, *TINY, "--checkpoint-dir", "ckpt", "--steps", "4")
     assert again.returncode == 0 and "resumed from the checkpoint of step 2" in again.stdout
@@ -387,25 +508,37 @@ def test_resume_on_fewer_devices(script, tmp_path):
     interrupted(script, tmp_path / "ckpt")  # 8 devices, then forgotten after step 10
     flags = as_flags({**SMALL, "checkpoint_dir": "ckpt", "log_every": 1, "metrics_file": "m.jsonl"})
     done = run_script(script, tmp_path, *flags, "--cpu-devices=4")
-    assert done.returncode == 0 and "resumed from the checkpoint of step 10" in done.stdout, done.stderr[-2000:]
+    assert done.returncode == 0 and "resumed from the checkpoint of step 10" in done.stdout, (
+        done.stderr[-2000:]
+    )
     assert done.stdout.startswith("4 cpu devices") or "\n4 cpu devices" in done.stdout
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()[:-1]]
     uninterrupted = run(script)
     diff = relative([r["loss"] for r in records], uninterrupted.losses[10:])
     norm_diff = relative([r["grad_norm"] for r in records], uninterrupted.grad_norms[10:])
-    print(f"\n{script}: 8 devices -> 4, steps 11-20: loss {diff:.1e}, gradient norm {norm_diff:.1e}")
-    assert [r["step"] for r in records] == list(range(11, 21)) and diff <= RTOL and norm_diff <= RTOL
+    print(
+        f"\n{script}: 8 devices -> 4, steps 11-20: loss {diff:.1e}, gradient norm {norm_diff:.1e}"
+    )
+    assert (
+        [r["step"] for r in records] == list(range(11, 21)) and diff <= RTOL and norm_diff <= RTOL
+    )
 
 
-@pytest.mark.parametrize("script", matrix(["pjit_tp", "fsdp"], ["pjit_tp"]))  # fsdp: test_two_processes_resume
+# Fsdp: test_two_processes_resume
+@pytest.mark.parametrize("script", matrix(["pjit_tp", "fsdp"], ["pjit_tp"]))
 def test_resume_from_two_processes_on_one(script, tmp_path):
     """2 processes x 4 devices write a checkpoint; 1 process x 8 devices resumes it."""
     first = two_processes(script, tmp_path, "first.jsonl")
     shutil.rmtree(tmp_path / "ckpt" / "10")
-    resumed = run_uncached(script, steps=10, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=5)
+    resumed = run_uncached(
+        script, steps=10, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=5
+    )
     diff = relative(resumed.losses, [r["loss"] for r in first[5:]])
     norm_diff = relative(resumed.grad_norms, [r["grad_norm"] for r in first[5:]])
-    print(f"\n{script}: 2 processes x 4 -> 1 x 8, steps 6-10: loss {diff:.1e}, gradient norm {norm_diff:.1e}")
+    print(
+        f"\n{script}: 2 processes x 4 -> 1 x 8, steps 6-10: loss {diff:.1e}, gradient norm "
+        f"{norm_diff:.1e}"
+    )
     assert len(resumed.losses) == 5 and diff <= RTOL and norm_diff <= RTOL
 
 
@@ -429,7 +562,9 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
             checkpoints.save(0, broken, type("Log", (), {"losses": log})())
     finally:
         checkpoints.close()
-    assert str(stopped.value.code).startswith("stopped: the state after step 1 holds non-finite values (the loss")
+    assert str(stopped.value.code).startswith(
+        "stopped: the state after step 1 holds non-finite values (the loss"
+    )
     assert steps_in(tmp_path) == []
 
 
@@ -471,9 +606,13 @@ def test_a_full_disk_under_the_metrics_file_is_one_line(tmp_path, monkeypatch):
         def __getattr__(self, name):
             return getattr(self.file, name)
 
-    monkeypatch.setattr(common, "open_metrics_file", lambda path, start: (FullDisk(opened(path, start)[0]), []))
+    monkeypatch.setattr(
+        common, "open_metrics_file", lambda path, start: (FullDisk(opened(path, start)[0]), [])
+    )
     with pytest.raises(SystemExit) as stopped:
-        run_uncached("shardmap_dp", metrics_file=str(tmp_path / "m.jsonl"), log_every=1, eval_every=0)
+        run_uncached(
+            "shardmap_dp", metrics_file=str(tmp_path / "m.jsonl"), log_every=1, eval_every=0
+        )
     assert str(stopped.value.code) == (
         f"error: could not write --metrics-file {tmp_path / 'm.jsonl'} (No space left on device); "
         "its records so far and the checkpoints are kept"
@@ -492,7 +631,9 @@ def test_a_non_finite_checkpoint_is_set_aside(tmp_path, capsys):
     first = interrupted("shardmap_dp", tmp_path)  # checkpoints 10 and 20, then 20 forgotten
     config = common.Config(**{**SMALL, "checkpoint_dir": str(tmp_path)})
     checkpoints = common.Checkpoints(config)
-    broken = first.state.replace(params=jax.tree.map(lambda x: x.at[0].set(jnp.nan), first.state.params))
+    broken = first.state.replace(
+        params=jax.tree.map(lambda x: x.at[0].set(jnp.nan), first.state.params)
+    )
     checkpoints.checkpointer.save_async(20, broken, force=True).result()
     checkpoints.close()
     capsys.readouterr()
@@ -500,3 +641,23 @@ def test_a_non_finite_checkpoint_is_set_aside(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "the checkpoint of step 20: it holds non-finite values; moved it to" in out, out
     assert "resumed from the checkpoint of step 10" in out and resumed.losses == first.losses[10:]
+
+
+def test_a_checkpoint_from_before_clipping_left_the_optimizer_resumes(tmp_path):
+    """Until clipping moved into each train_step, the optimizer state began with the last
+    clipping norm: (its state, AdamW's). Such a checkpoint still resumes, as if nothing had
+    changed: here one written in that layout from a run's step 10 continues that run bitwise."""
+    from orbax.checkpoint import v1 as ocp
+
+    first = interrupted("shardmap_dp", tmp_path / "new")  # saved at step 10 in today's layout
+    with ocp.training.Checkpointer(tmp_path / "new") as checkpointer:
+        metadata = checkpointer.metadata(10)
+        state = checkpointer.load(10)  # as plain nested dicts and lists of arrays
+    assert isinstance(state["opt_state"], list) and "norm" not in state["opt_state"][0]
+    # Replicated, as it was
+    norm = jax.device_put(np.float32(first.grad_norms[9]), state["step"].sharding)
+    old = {**state, "opt_state": [{"norm": norm}, state["opt_state"]]}
+    with ocp.training.Checkpointer(tmp_path / "old") as checkpointer:
+        checkpointer.save(10, old, custom_metadata=metadata.custom_metadata)
+    resumed = run_uncached("shardmap_dp", checkpoint_dir=str(tmp_path / "old"), checkpoint_every=10)
+    assert resumed.losses == first.losses[10:] and resumed.grad_norms == first.grad_norms[10:]

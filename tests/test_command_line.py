@@ -17,26 +17,55 @@ import pytest
 
 import common
 from tests.harness import (
-    DEFAULTS, ROOT, SCRIPTS, SMALL, TINY, copy_alone, matrix, run, run_script, run_uncached,
-)  # fmt: skip
+    DEFAULTS,
+    ROOT,
+    SCRIPTS,
+    SMALL,
+    TINY,
+    copy_alone,
+    matrix,
+    run,
+    run_script,
+    run_uncached,
+)
 
-COMPILATIONS, LOWERINGS = [], []  # every XLA compilation, and every lowering to XLA, in this process
+# Every XLA compilation, and every lowering to XLA, in this process
+COMPILATIONS, LOWERINGS = ([], [])
 jax.monitoring.register_event_duration_secs_listener(
-    lambda event, seconds, **_: COMPILATIONS.append(event) if event.endswith("backend_compile_duration") else None
+    lambda event, seconds, **_: (
+        COMPILATIONS.append(event) if event.endswith("backend_compile_duration") else None
+    )
 )
 # A program found in the persistent compilation cache is not compiled, but it is lowered again.
 jax.monitoring.register_event_duration_secs_listener(
-    lambda event, seconds, **_: LOWERINGS.append(event) if event.endswith("jaxpr_to_mlir_module_duration") else None
+    lambda event, seconds, **_: (
+        LOWERINGS.append(event) if event.endswith("jaxpr_to_mlir_module_duration") else None
+    )
 )
 MESH_SCRIPTS = ("pjit_tp", "logical_pjit")
-ALL_MESH_SCRIPTS = ("fsdp", "pjit_tp", "logical_pjit", "pipeline", "context_parallel", "expert_parallel")
+ALL_MESH_SCRIPTS = (
+    "fsdp",
+    "pjit_tp",
+    "logical_pjit",
+    "pipeline",
+    "context_parallel",
+    "expert_parallel",
+)
 # (flags, the scripts they apply to, what the one-line error must say). Every message names the
 # flag and gives a valid example ("e.g."), except argparse's own for unknown flags and values.
 BAD_INPUTS = [
     (["--batch-size", "9"], SCRIPTS, "--batch-size must be divisible by"),
-    (["--batch-size", "16", "--microbatches", "4"], ("shardmap_dp", "fsdp"), "8 batch shards x 4 micro-batches"),
+    (
+        ["--batch-size", "16", "--microbatches", "4"],
+        ("shardmap_dp", "fsdp"),
+        "8 batch shards x 4 micro-batches",
+    ),
     (["--mesh", "data=3,model=2"], MESH_SCRIPTS, "--mesh data=3,model=2 has 6 devices, not 8"),
-    (["--mesh", "data=2,tensor=4"], MESH_SCRIPTS, "--mesh data=2,tensor=4 may name only the axes data and model"),
+    (
+        ["--mesh", "data=2,tensor=4"],
+        MESH_SCRIPTS,
+        "--mesh data=2,tensor=4 may name only the axes data and model",
+    ),
     (["--mesh", "data=4,data=2"], ALL_MESH_SCRIPTS, "--mesh data=4,data=2 names an axis twice"),
     (["--mesh", "data=3"], ("fsdp",), "--mesh data=3 has 3 devices, not 8"),
     (["--mesh", "data"], ("fsdp",), "--mesh data is not axis=size pairs"),
@@ -44,31 +73,108 @@ BAD_INPUTS = [
     (["--mesh", "data=-8"], ("fsdp",), "--mesh data=-8 has an axis of size < 1"),
     (["--mesh", "replica=3,data=4"], ("fsdp",), "--mesh replica=3,data=4 has 12 devices, not 8"),
     (["--mesh", "eight"], MESH_SCRIPTS, "--mesh eight is not axis=size pairs"),
-    (["--heads", "6", "--d-model", "96", "--mesh", "data=2,model=4"], ("pjit_tp",), "model=4 must divide --heads 6"),
-    (["--heads", "6", "--d-model", "96", "--mesh", "data=2,model=4"], ("logical_pjit",), "splits 'heads' 4 ways"),
-    (["--d-model", "36", "--rules", "fsdp"], ("logical_pjit",), "splits 'embed' 8 ways under --rules fsdp"),
+    (
+        ["--heads", "6", "--d-model", "96", "--mesh", "data=2,model=4"],
+        ("pjit_tp",),
+        "model=4 must divide --heads 6",
+    ),
+    (
+        ["--heads", "6", "--d-model", "96", "--mesh", "data=2,model=4"],
+        ("logical_pjit",),
+        "splits 'heads' 4 ways",
+    ),
+    (
+        ["--d-model", "36", "--rules", "fsdp"],
+        ("logical_pjit",),
+        "splits 'embed' 8 ways under --rules fsdp",
+    ),
     (["--d-model", "100", "--heads", "8"], SCRIPTS, "--heads must divide --d-model 100"),
-    (["--mesh", "data=2,stage=4", "--layers", "3"], ("pipeline",), "--layers 3 must split evenly over stage=4"),
-    (["--mesh", "data=2,stage=4", "--layers", "4", "--microbatches", "2", "--batch-size", "16"], ("pipeline",),
-     "--microbatches must be at least the 4 stages for --schedule 1f1b"),
-    (["--mesh", "data=2,stage=4", "--layers", "4", "--microbatches", "2", "--batch-size", "16", "--schedule",
-      "zero-bubble"], ("pipeline",), "--microbatches must be at least the 4 stages for --schedule zero-bubble"),
+    (
+        ["--mesh", "data=2,stage=4", "--layers", "3"],
+        ("pipeline",),
+        "--layers 3 must split evenly over stage=4",
+    ),
+    (
+        ["--mesh", "data=2,stage=4", "--layers", "4", "--microbatches", "2", "--batch-size", "16"],
+        ("pipeline",),
+        "--microbatches must be at least the 4 stages for --schedule 1f1b",
+    ),
+    (
+        [
+            "--mesh",
+            "data=2,stage=4",
+            "--layers",
+            "4",
+            "--microbatches",
+            "2",
+            "--batch-size",
+            "16",
+            "--schedule",
+            "zero-bubble",
+        ],
+        ("pipeline",),
+        "--microbatches must be at least the 4 stages for --schedule zero-bubble",
+    ),
     (["--schedule", "zigzag"], ("pipeline",), "argument --schedule: invalid choice: 'zigzag'"),
-    (["--schedule", "interleaved", "--virtual-stages", "1"], ("pipeline",), "--virtual-stages must be at least 2"),
-    (["--virtual-stages", "3"], ("pipeline",), "--virtual-stages is for --schedule interleaved only"),
-    (["--schedule", "interleaved", "--mesh", "data=2,stage=4", "--layers", "4"], ("pipeline",),
-     "--layers 4 must split evenly over stage=4 x 2 groups, e.g. --layers 8"),
-    (["--schedule", "interleaved", "--mesh", "data=2,stage=4", "--layers", "8", "--microbatches", "6",
-      "--batch-size", "24"], ("pipeline",), "--microbatches must be a multiple of the 4 stages"),
-    (["--mesh", "data=2,context=4", "--seq-len", "12"], ("context_parallel",),
-     "--seq-len must split into 2 x context = 8 equal pieces"),
+    (
+        ["--schedule", "interleaved", "--virtual-stages", "1"],
+        ("pipeline",),
+        "--virtual-stages must be at least 2",
+    ),
+    (
+        ["--virtual-stages", "3"],
+        ("pipeline",),
+        "--virtual-stages is for --schedule interleaved only",
+    ),
+    (
+        ["--schedule", "interleaved", "--mesh", "data=2,stage=4", "--layers", "4"],
+        ("pipeline",),
+        "--layers 4 must split evenly over stage=4 x 2 groups, e.g. --layers 8",
+    ),
+    (
+        [
+            "--schedule",
+            "interleaved",
+            "--mesh",
+            "data=2,stage=4",
+            "--layers",
+            "8",
+            "--microbatches",
+            "6",
+            "--batch-size",
+            "24",
+        ],
+        ("pipeline",),
+        "--microbatches must be a multiple of the 4 stages",
+    ),
+    (
+        ["--mesh", "data=2,context=4", "--seq-len", "12"],
+        ("context_parallel",),
+        "--seq-len must split into 2 x context = 8 equal pieces",
+    ),
     (["--experts", "-1"], ("fsdp",), "--experts must be zero or more"),
     (["--experts", "8", "--top-k", "9"], ("fsdp",), "--top-k must be from 1 to --experts 8"),
     (["--experts", "2", "--top-k", "0"], ("pjit_tp",), "--top-k must be from 1 to --experts 2"),
-    (["--experts", "8", "--capacity-factor", "-1"], ("shardmap_dp",), "--capacity-factor must be zero or more"),
-    (["--experts", "0"], ("expert_parallel",), "--experts must be positive: this script splits experts"),
-    (["--experts", "6", "--mesh", "data=2,expert=4"], ("expert_parallel",), "expert=4 must divide --experts 6"),
-    (["--model", "tests/llama.py"], ("expert_parallel",), "has no parameter with an axis named 'expert'"),
+    (
+        ["--experts", "8", "--capacity-factor", "-1"],
+        ("shardmap_dp",),
+        "--capacity-factor must be zero or more",
+    ),
+    (
+        ["--experts", "0"],
+        ("expert_parallel",),
+        "--experts must be positive: this script splits experts",
+    ),
+    (
+        ["--experts", "6", "--mesh", "data=2,expert=4"],
+        ("expert_parallel",),
+        "expert=4 must divide --experts 6",
+    ),
+    (
+        ["--model", "tests/llama.py"],
+        ("expert_parallel",),
+        "has no parameter with an axis named 'expert'",
+    ),
     (["--steps", "0"], SCRIPTS, "--steps must be positive"),
     (["--layers", "0"], SCRIPTS, "--layers must be positive"),
     (["--seq-len", "-1"], SCRIPTS, "--seq-len must be positive"),
@@ -90,20 +196,44 @@ BAD_INPUTS = [
     (["--dtype", "float16"], SCRIPTS, "argument --dtype: invalid choice: 'float16'"),
     (["--rules", "zero3"], ("logical_pjit",), "argument --rules: invalid choice: 'zero3'"),
     (["--dataset", "no_such_dataset"], ("shardmap_dp",), "--dataset no_such_dataset is neither"),
-    (["--metrics-file", "FILE/metrics.jsonl"], SCRIPTS, "--metrics-file FILE/metrics.jsonl cannot be written"),
+    (
+        ["--metrics-file", "FILE/metrics.jsonl"],
+        SCRIPTS,
+        "--metrics-file FILE/metrics.jsonl cannot be written",
+    ),
     (["--metrics-file", "FOLDER"], ("fsdp",), "--metrics-file FOLDER is a folder"),
-    (["--metrics-file", "/proc/no/such/dir/m.jsonl"], ("fsdp",), "--metrics-file /proc/no/such/dir/m.jsonl cannot be"),
+    (
+        ["--metrics-file", "/proc/no/such/dir/m.jsonl"],
+        ("fsdp",),
+        "--metrics-file /proc/no/such/dir/m.jsonl cannot be",
+    ),
     (["--checkpoint-dir", "FILE/ckpt"], ("fsdp",), "--checkpoint-dir FILE/ckpt cannot be written"),
     (["--stepz", "3"], SCRIPTS, "unrecognized arguments: --stepz 3"),
     (["--steps", "three"], ("pmap_dp",), "argument --steps: invalid int value: 'three'"),
-    (["--num-processes", "2"], ("pmap_dp",), "--num-processes and --process-id need --coordinator-address"),
-    (["--coordinator-address", "localhost", "--num-processes", "2"], ("pmap_dp",), "must be host:port"),
-    (["--coordinator-address", "localhost:1", "--num-processes", "2", "--process-id", "2"], ("pmap_dp",),
-     "--process-id must be in 0..1"),
-    (["--heartbeat-timeout", "0", "--coordinator-address", "localhost:1"], ("pmap_dp",), "--heartbeat-timeout must"),
-    (["--attention", "cudnn"], ("fsdp", "context_parallel"), "--attention cudnn"),  # a CPU; the ring's own attention
+    (
+        ["--num-processes", "2"],
+        ("pmap_dp",),
+        "--num-processes and --process-id need --coordinator-address",
+    ),
+    (
+        ["--coordinator-address", "localhost", "--num-processes", "2"],
+        ("pmap_dp",),
+        "must be host:port",
+    ),
+    (
+        ["--coordinator-address", "localhost:1", "--num-processes", "2", "--process-id", "2"],
+        ("pmap_dp",),
+        "--process-id must be in 0..1",
+    ),
+    (
+        ["--heartbeat-timeout", "0", "--coordinator-address", "localhost:1"],
+        ("pmap_dp",),
+        "--heartbeat-timeout must",
+    ),
+    # A CPU; the ring's own attention
+    (["--attention", "cudnn"], ("fsdp", "context_parallel"), "--attention cudnn"),
     (["--attention", "flash"], ("fsdp",), "argument --attention: invalid choice: 'flash'"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(
@@ -117,7 +247,9 @@ def test_bad_input_exits_2_with_one_line(script, flags, message, tmp_path, capsy
     (tmp_path / "FILE").write_text("")  # a file, under which nothing can be created
     (tmp_path / "FOLDER").mkdir()
     flags = [str(tmp_path / f) if f.startswith(("FILE", "FOLDER")) else f for f in flags]
-    message = message.replace("FILE", str(tmp_path / "FILE")).replace("FOLDER", str(tmp_path / "FOLDER"))
+    message = message.replace("FILE", str(tmp_path / "FILE")).replace(
+        "FOLDER", str(tmp_path / "FOLDER")
+    )
     module = SCRIPTS[script]
     compiled_before = len(COMPILATIONS)
     with pytest.raises(SystemExit) as exit_info:
@@ -128,14 +260,22 @@ def test_bad_input_exits_2_with_one_line(script, flags, message, tmp_path, capsy
     if "invalid" not in message and "unrecognized" not in message:
         assert "e.g." in err, err
         suggested = re.search(r"e\.g\. (--[\w-]+)", err).group(1)  # the example is a real flag
-        assert suggested.removeprefix("--").replace("-", "_") in module.Config.__dataclass_fields__, err
+        assert (
+            suggested.removeprefix("--").replace("-", "_") in module.Config.__dataclass_fields__
+        ), err
     assert len(COMPILATIONS) == compiled_before
 
 
 def test_an_axis_left_out_of_the_mesh_has_size_1():
     """--mesh names the axes that are split; the others have size 1."""
-    assert SCRIPTS["pipeline"].Config(mesh="stage=8", layers=8).mesh_axes() == {"data": 1, "stage": 8}
-    assert SCRIPTS["context_parallel"].Config(mesh="context=8").mesh_axes() == {"data": 1, "context": 8}
+    assert SCRIPTS["pipeline"].Config(mesh="stage=8", layers=8).mesh_axes() == {
+        "data": 1,
+        "stage": 8,
+    }
+    assert SCRIPTS["context_parallel"].Config(mesh="context=8").mesh_axes() == {
+        "data": 1,
+        "context": 8,
+    }
     assert SCRIPTS["pjit_tp"].Config(mesh="model=4,data=2").mesh_axes() == {"data": 2, "model": 4}
 
 
@@ -150,7 +290,11 @@ BITWISE = ["pjit_tp", "context_parallel", "pmap_dp", "pipeline_1f1b"]
 def test_same_flags_same_losses_bitwise(name):
     """Two runs with the same flags and seed, dropout on: identical losses, bit for bit."""
     first, second = run(name, dropout=0.1, steps=5), run_uncached(name, dropout=0.1, steps=5)
-    assert first.losses == second.losses and first.grad_norms == second.grad_norms and len(first.losses) == 5
+    assert (
+        first.losses == second.losses
+        and first.grad_norms == second.grad_norms
+        and len(first.losses) == 5
+    )
 
 
 def test_debug_nans_turns_on_jax_nan_checks(tmp_path):
@@ -184,8 +328,19 @@ def test_help_lists_every_flag(tmp_path):
 
 
 def test_non_finite_loss_stops_and_is_never_saved(tmp_path):
-    done = run_script("fsdp", tmp_path, *TINY, "--steps", "50", "--lr", "1e6", "--checkpoint-dir", "ckpt",
-                      "--checkpoint-every", "1")  # fmt: skip
+    done = run_script(
+        "fsdp",
+        tmp_path,
+        *TINY,
+        "--steps",
+        "50",
+        "--lr",
+        "1e6",
+        "--checkpoint-dir",
+        "ckpt",
+        "--checkpoint-every",
+        "1",
+    )
     assert done.returncode == 1
     message = done.stderr.strip().splitlines()[-1]
     bad = int(re.search(r"the loss is (nan|inf) at step (\d+)", message).group(2))
@@ -212,7 +367,9 @@ def test_pmap_loop_runs_the_compiled_program():
 
 
 @pytest.mark.parametrize(
-    "flags", [["--batch-size", "1048576"], ["--d-model", "65536"], ["--seq-len", "1000000"]], ids=lambda f: " ".join(f)
+    "flags",
+    [["--batch-size", "1048576"], ["--d-model", "65536"], ["--seq-len", "1000000"]],
+    ids=lambda f: " ".join(f),
 )
 def test_a_step_too_big_for_the_devices_exits_2(flags, capsys):
     """Compiled for shapes before anything is allocated, the step's memory is compared with the
@@ -228,7 +385,9 @@ def test_a_step_too_big_for_the_devices_exits_2(flags, capsys):
     out, err = capsys.readouterr()
     print(f"\n{' '.join(flags)}: {seconds:.1f}s: {err.strip()[:160]}")
     assert exit_info.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
-    assert re.search(r"the train step needs [\d,.]+ GB per device .* but a cpu device has [\d,.]+ [GM]B", err)
+    assert re.search(
+        r"the train step needs [\d,.]+ GB per device .* but a cpu device has [\d,.]+ [GM]B", err
+    )
     assert "--batch-size" in err and "--microbatches" in err and "--remat" in err
     assert seconds < 120
 
@@ -243,7 +402,9 @@ def test_a_missing_accelerator_plugin_is_one_line(platform, plugin, tmp_path):
     done = run_script("shardmap_dp", tmp_path, *TINY, env={**os.environ, "JAX_PLATFORMS": platform})
     assert done.returncode == 1 and done.stdout == ""
     error = done.stderr.strip().splitlines()
-    assert len(error) == 1 and f'install it with pip install "{plugin}=={jax.__version__}"' in error[0], error
+    assert (
+        len(error) == 1 and f'install it with pip install "{plugin}=={jax.__version__}"' in error[0]
+    ), error
 
 
 def test_a_backend_problem_without_an_accelerator_asks_for_no_plugin(monkeypatch):
@@ -251,34 +412,56 @@ def test_a_backend_problem_without_an_accelerator_asks_for_no_plugin(monkeypatch
     lookup fail), the line gives JAX's reason and points at the host name, not at a plugin."""
     monkeypatch.delenv("JAX_PLATFORMS", raising=False)
     monkeypatch.setattr(jax.distributed, "is_initialized", lambda: True)
-    line = common._backend_problem(RuntimeError("Gloo: getaddrinfo failed: Name or service not known"))
-    assert line.startswith("JAX cannot start its devices (Gloo: getaddrinfo failed") and "the the" not in line
-    assert "resolve its own host name" in line and "plugin" not in line and "pip install" not in line
+    line = common._backend_problem(
+        RuntimeError("Gloo: getaddrinfo failed: Name or service not known")
+    )
+    assert (
+        line.startswith("JAX cannot start its devices (Gloo: getaddrinfo failed")
+        and "the the" not in line
+    )
+    assert (
+        "resolve its own host name" in line and "plugin" not in line and "pip install" not in line
+    )
 
 
 def test_xla_flags_device_count_is_respected(tmp_path):
     """XLA_FLAGS' device count holds unless --cpu-devices is given, which then says it wins."""
-    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"}
+    env = {
+        **os.environ,
+        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
+    }
     done = run_script("shardmap_dp", tmp_path, *TINY, env=env)
     assert done.returncode == 0 and done.stdout.startswith("4 cpu devices"), done.stdout[:200]
     done = run_script("shardmap_dp", tmp_path, *TINY, "--cpu-devices", "2", env=env)
     assert done.returncode == 0 and done.stdout.startswith("2 cpu devices"), done.stdout[:200]
-    assert done.stderr.strip() == "--cpu-devices 2 overrides XLA_FLAGS' --xla_force_host_platform_device_count=4"
+    assert (
+        done.stderr.strip()
+        == "--cpu-devices 2 overrides XLA_FLAGS' --xla_force_host_platform_device_count=4"
+    )
 
 
 def test_emulated_devices_may_be_late_to_a_collective(tmp_path):
     """XLA's CPU collectives abort a run when one emulated device reaches a collective 40 s after
-    the others (a busy or sleeping machine; README: Running on CPU, GPU and TPU). The scripts allow a day,
-    keeping any value the user set in XLA_FLAGS."""
+    the others (a busy or sleeping machine; README: Running on CPU, GPU and TPU). The scripts allow
+    a day, keeping any value the user set in XLA_FLAGS."""
     (tmp_path / "show_flags.py").write_text(
-        "import os, common\ncommon.setup(common.Config(steps=1, batch_size=8))\nprint(os.environ['XLA_FLAGS'])\n"
+        "import os, common\ncommon.setup(common.Config(steps=1, "
+        "batch_size=8))\nprint(os.environ['XLA_FLAGS'])\n"
     )
     copy_alone("shardmap_dp", tmp_path)
-    for user, expected in [("", 86400), ("--xla_cpu_collective_call_terminate_timeout_seconds=5", 5)]:
+    for user, expected in [
+        ("", 86400),
+        ("--xla_cpu_collective_call_terminate_timeout_seconds=5", 5),
+    ]:
         env = {**os.environ, "XLA_FLAGS": user}
-        done = subprocess.run([sys.executable, "show_flags.py"], cwd=tmp_path, env=env, capture_output=True, text=True)
+        done = subprocess.run(
+            [sys.executable, "show_flags.py"], cwd=tmp_path, env=env, capture_output=True, text=True
+        )
         flags = done.stdout.split()
-        assert done.returncode == 0 and f"--xla_cpu_collective_call_terminate_timeout_seconds={expected}" in flags
+        assert (
+            done.returncode == 0
+            and f"--xla_cpu_collective_call_terminate_timeout_seconds={expected}" in flags
+        )
         assert len([f for f in flags if "terminate_timeout" in f]) == 1
 
 
@@ -300,7 +483,10 @@ checkpoints = common.Checkpoints(config)  # its Ctrl-C and SIGTERM handlers
 watchdog = common.Watchdog(config.stall_timeout)  # as the Logger starts it
 # A step that never finishes: XLA runs this small program on the calling thread, and its host
 # callback sleeps, so the main thread waits inside XLA, as when a collective deadlocked.
-never = jax.jit(lambda x: jax.pure_callback(lambda v: (time.sleep(600), v)[1], jax.ShapeDtypeStruct((), x.dtype), x))
+def sleep(v):
+    time.sleep(600)
+    return v
+never = jax.jit(lambda x: jax.pure_callback(sleep, jax.ShapeDtypeStruct((), x.dtype), x))
 print("starting the step", flush=True)
 never(jnp.float32(1)).block_until_ready()
 """
@@ -312,11 +498,19 @@ def test_a_stuck_step_stops_with_one_line_after_the_stall_timeout(tmp_path):
     copy_alone("shardmap_dp", tmp_path)
     (tmp_path / "stuck.py").write_text(STUCK_STEP)
     start = time.monotonic()
-    done = subprocess.run([sys.executable, "stuck.py", "3"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "stuck.py", "3"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     waited = time.monotonic() - start
-    print(f"\nstuck step, --stall-timeout 3: exit {done.returncode} after {waited:.1f}s: {done.stderr.strip()}")
+    print(
+        f"\nstuck step, --stall-timeout 3: exit {done.returncode} after {waited:.1f}s: "
+        f"{done.stderr.strip()}"
+    )
     assert done.returncode == 1 and waited < 30
-    assert done.stderr.strip().splitlines() == [done.stderr.strip()] and "error: no progress for 3s" in done.stderr
+    assert (
+        done.stderr.strip().splitlines() == [done.stderr.strip()]
+        and "error: no progress for 3s" in done.stderr
+    )
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
@@ -326,7 +520,11 @@ def test_a_stuck_step_stops_at_the_second_signal(signum, tmp_path):
     copy_alone("shardmap_dp", tmp_path)
     (tmp_path / "stuck.py").write_text(STUCK_STEP)
     proc = subprocess.Popen(
-        [sys.executable, "stuck.py", "0"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "stuck.py", "0"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout.readline() == "starting the step\n"
@@ -347,12 +545,17 @@ def test_ctrl_c_while_starting_is_one_line(tmp_path):
     copy_alone("shardmap_dp", tmp_path)
     proc = subprocess.Popen(
         [sys.executable, "shardmap_dp.py", "--steps", "3", "--layers", "8"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
-        while not any("XLAEigen" in open(f"/proc/{proc.pid}/task/{t}/comm").read()
-                      for t in os.listdir(f"/proc/{proc.pid}/task")):  # fmt: skip
+        while not any(
+            "XLAEigen" in open(f"/proc/{proc.pid}/task/{t}/comm").read()
+            for t in os.listdir(f"/proc/{proc.pid}/task")
+        ):
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.02)
         proc.send_signal(signal.SIGINT)
@@ -360,7 +563,10 @@ def test_ctrl_c_while_starting_is_one_line(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 130 and out == "", (out, err)
-    assert err.strip() == "Ctrl-C: stopped while starting, before any step; nothing was trained or saved"
+    assert (
+        err.strip()
+        == "Ctrl-C: stopped while starting, before any step; nothing was trained or saved"
+    )
 
 
 def test_a_closed_stdout_does_not_stop_training(tmp_path):
@@ -369,8 +575,10 @@ def test_a_closed_stdout_does_not_stop_training(tmp_path):
     copy_alone("fsdp", tmp_path)
     proc = subprocess.Popen(
         [sys.executable, "fsdp.py", *TINY, "--steps", "6", "--metrics-file", "m.jsonl"],
-        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-    )  # fmt: skip
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     proc.stdout.readline()
     proc.stdout.close()  # as `head -n 1` does
     err = proc.stderr.read().decode()
@@ -393,10 +601,14 @@ def test_devices_far_behind_the_host_do_not_deadlock():
     waited for. With XLA's own thread pool on this 2-core machine (4 threads: one per device) it
     hangs for good in its first all-gather; with the scripts' 2 x devices (common.py,
     cpu_client_threads) it finishes in under a second."""
-    env = {key: value for key, value in os.environ.items() if key != "PJRT_NPROC"}  # as a user's shell: none set
+    # As a user's shell: none set
+    env = {key: value for key, value in os.environ.items() if key != "PJRT_NPROC"}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "cpu_deadlock.py"), "--devices", "4"], env=env, capture_output=True,
-        text=True, timeout=120,
-    )  # fmt: skip
+        [sys.executable, str(ROOT / "tools" / "cpu_deadlock.py"), "--devices", "4"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0 and "done: 300 steps" in done.stdout, done.stderr[-2000:]
     assert f"PJRT_NPROC={max(os.cpu_count(), 8)}" in done.stdout

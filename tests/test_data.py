@@ -31,7 +31,9 @@ def markov_walk_in_python(data, step, start, stop, split="train"):
     positions. The batches must not change (the README's figures, resumed runs)."""
     uniforms = np.stack(
         [
-            np.random.default_rng((data.seed, common.SPLITS[split], step, row)).random(data.seq_len + 1)
+            np.random.default_rng((data.seed, common.SPLITS[split], step, row)).random(
+                data.seq_len + 1
+            )
             for row in range(start, stop)
         ]
     )
@@ -48,7 +50,9 @@ def markov_walk_in_python(data, step, start, stop, split="train"):
 def test_compiled_walk_makes_the_python_loops_batches(vocab):
     data = common.SyntheticData(seed=2, seq_len=200, vocab=vocab)
     for step, split, rows in [(0, "train", (0, 32)), (11, "train", (5, 6)), (3, "eval", (8, 24))]:
-        assert (data.batch(step, *rows, split) == markov_walk_in_python(data, step, *rows, split)).all()
+        assert (
+            data.batch(step, *rows, split) == markov_walk_in_python(data, step, *rows, split)
+        ).all()
 
 
 def test_the_compiled_walk_is_many_times_faster():
@@ -66,8 +70,13 @@ def test_the_compiled_walk_is_many_times_faster():
             times.append(time.perf_counter() - start)
         return np.median(times)
 
-    compiled, loop = median_seconds(data.batch), median_seconds(lambda *rows: markov_walk_in_python(data, *rows))
-    assert compiled < loop / 5, f"compiled {compiled * 1e3:.2f} ms, Python loop {loop * 1e3:.2f} ms per batch"
+    compiled, loop = (
+        median_seconds(data.batch),
+        median_seconds(lambda *rows: markov_walk_in_python(data, *rows)),
+    )
+    assert compiled < loop / 5, (
+        f"compiled {compiled * 1e3:.2f} ms, Python loop {loop * 1e3:.2f} ms per batch"
+    )
 
 
 def test_process_slices_are_disjoint_and_cover_the_batch():
@@ -104,7 +113,10 @@ def test_prefetched_batches_are_the_loops_own(prefetch):
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_a_batch_that_fails_fails_the_loop_at_its_step(prefetch):
-    config, log = common.Config(steps=9, batch_size=4, prefetch=prefetch), types.SimpleNamespace(data_seconds=[])
+    config, log = (
+        common.Config(steps=9, batch_size=4, prefetch=prefetch),
+        types.SimpleNamespace(data_seconds=[]),
+    )
     steps, before = [], prefetch_threads()
     with pytest.raises(OSError, match="record 3 is unreadable"):
         for step, _ in common.train_batches(Broken(), config, 0, log):
@@ -113,9 +125,16 @@ def test_a_batch_that_fails_fails_the_loop_at_its_step(prefetch):
 
 
 def test_the_prefetch_thread_stops_with_the_loop():
-    """A loop that stops early (Ctrl-C saved a checkpoint; an error) leaves no thread making batches."""
-    config, log = common.Config(steps=1000, batch_size=4, prefetch=2), types.SimpleNamespace(data_seconds=[])
-    batches, before = common.train_batches(common.SyntheticData(seed=1, seq_len=8), config, 0, log), prefetch_threads()
+    """A loop that stops early (Ctrl-C saved a checkpoint; an error) leaves no thread making
+    batches."""
+    config, log = (
+        common.Config(steps=1000, batch_size=4, prefetch=2),
+        types.SimpleNamespace(data_seconds=[]),
+    )
+    batches, before = (
+        common.train_batches(common.SyntheticData(seed=1, seq_len=8), config, 0, log),
+        prefetch_threads(),
+    )
     for step, _ in batches:
         if step == 5:
             break
@@ -137,9 +156,14 @@ def test_loss_floor_is_the_sampled_entropy_rate():
 
 def words(seed, count):
     """Seeded pseudo-English: the bytes of any window say where in the text it came from."""
-    vocabulary = "the of and to in a that is was he for it with as his on be at by had not are but from".split()
+    vocabulary = (
+        "the of and to in a that is was he for it with as his on be at by had not are but from"
+    )
+    vocabulary = vocabulary.split()
     rng = np.random.default_rng(seed)
-    return " ".join(vocabulary[i] + str(rng.integers(10)) for i in rng.integers(len(vocabulary), size=count))
+    return " ".join(
+        vocabulary[i] + str(rng.integers(10)) for i in rng.integers(len(vocabulary), size=count)
+    )
 
 
 TEXTS = {"train": words(0, 12_000), "validation": words(1, 1_000), "test": words(2, 1_000)}
@@ -151,7 +175,9 @@ class TinyText(tfds.core.GeneratorBasedBuilder):
     VERSION = tfds.core.Version("1.0.0")
 
     def _info(self):
-        return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()}))
+        return tfds.core.DatasetInfo(
+            builder=self, features=tfds.features.FeaturesDict({"text": tfds.features.Text()})
+        )
 
     def _split_generators(self, dl_manager):
         return {split: self._generate_examples(text) for split, text in TEXTS.items()}
@@ -188,7 +214,9 @@ def test_text_batches_are_windows_of_the_text(text_data_dir):
         for row in data.batch(3, 0, config.batch_size, split):
             assert bytes(row.astype(np.uint8)).decode() in text
     assert (data.batch(3, 0, 16) == batch).all() and not (data.batch(4, 0, 16) == batch).all()
-    slices = [data.batch(3, r.start, r.stop) for r in (common.process_rows(16, p, 2) for p in range(2))]
+    slices = [
+        data.batch(3, r.start, r.stop) for r in (common.process_rows(16, p, 2) for p in range(2))
+    ]
     assert (np.concatenate(slices) == batch).all()
 
 
@@ -197,11 +225,22 @@ def test_scripts_learn_a_tfds_dataset_with_dropout(name, text_data_dir, tmp_path
     """Every script, through the real TFDS loading path, with dropout on: the loss falls well
     below its start, and the held-out loss is logged and falls too."""
     metrics = tmp_path / "metrics.jsonl"
-    tfds_run = {"dataset": "tiny_text", "data_dir": text_data_dir, "steps": 16, "eval_every": 8, "dropout": 0.1}
+    tfds_run = {
+        "dataset": "tiny_text",
+        "data_dir": text_data_dir,
+        "steps": 16,
+        "eval_every": 8,
+        "dropout": 0.1,
+    }
     result = run(name, **tfds_run, metrics_file=str(metrics))
-    evals = [r["eval_loss"] for r in map(json.loads, metrics.read_text().splitlines()) if "eval_loss" in r]
+    evals = [
+        r["eval_loss"]
+        for r in map(json.loads, metrics.read_text().splitlines())
+        if "eval_loss" in r
+    ]
     print(
-        f"\n{name} on tiny_text, dropout 0.1: loss {result.losses[0]:.3f} -> {result.losses[-1]:.3f}, held-out {evals}"
+        f"\n{name} on tiny_text, dropout 0.1: loss {result.losses[0]:.3f} -> "
+        f"{result.losses[-1]:.3f}, held-out {evals}"
     )
     assert result.losses[-1] < 0.7 * result.losses[0]
     assert len(evals) == 2 and evals[1] < evals[0]
@@ -211,7 +250,15 @@ def test_scripts_learn_a_tfds_dataset_with_dropout(name, text_data_dir, tmp_path
 def test_command_line_reads_a_prepared_tfds_dataset(text_data_dir, tmp_path):
     # A fresh process knows no TinyText class: TFDS reads the prepared files on their own.
     done = run_script(
-        "fsdp", tmp_path, *TINY, "--dataset", "tiny_text", "--data-dir", text_data_dir, "--eval-every", "3"
+        "fsdp",
+        tmp_path,
+        *TINY,
+        "--dataset",
+        "tiny_text",
+        "--data-dir",
+        text_data_dir,
+        "--eval-every",
+        "3",
     )
     assert done.returncode == 0, done.stderr
     assert "TFDS tiny_text" in done.stdout and "eval at step 3" in done.stdout
@@ -221,16 +268,26 @@ def test_command_line_reads_a_prepared_tfds_dataset(text_data_dir, tmp_path):
     "flags, message",
     [
         (["--dataset", "no_such_dataset"], "--dataset no_such_dataset is neither"),
-        (["--dataset", "tiny_text", "--text-key", "body"], "--text-key body is not a text feature of tiny_text"),
+        (
+            ["--dataset", "tiny_text", "--text-key", "body"],
+            "--text-key body is not a text feature of tiny_text",
+        ),
         # CI reaches no internet, so preparing tiny_shakespeare in an empty folder must fail.
-        (["--dataset", "tiny_shakespeare", "--data-dir", "EMPTY"], "--dataset tiny_shakespeare is not prepared"),
+        (
+            ["--dataset", "tiny_shakespeare", "--data-dir", "EMPTY"],
+            "--dataset tiny_shakespeare is not prepared",
+        ),
         # A manual folder without the file the builder downloads: said before anything is tried.
         (
             ["--dataset", "tiny_shakespeare", "--data-dir", "EMPTY", "--tfds-manual-dir", "EMPTY"],
-            "--tfds-manual-dir EMPTY holds no input.txt: tiny_shakespeare is prepared from https://",
+            "--tfds-manual-dir EMPTY holds no input.txt: tiny_shakespeare is prepared from "
+            "https://",
         ),
         # Before: trained on newline padding alone, and exited 0.
-        (["--dataset", "empty_text"], "--dataset empty_text has no text in 'text' of its 'train' split"),
+        (
+            ["--dataset", "empty_text"],
+            "--dataset empty_text has no text in 'text' of its 'train' split",
+        ),
     ],
     ids=["unknown", "no text key", "cannot prepare", "empty manual folder", "all texts empty"],
 )
@@ -241,7 +298,9 @@ def test_bad_dataset_exits_2_with_one_line(flags, message, text_data_dir, tmp_pa
     data_dir = [] if "--data-dir" in flags else ["--data-dir", text_data_dir]
     done = run_script("shardmap_dp", tmp_path, *TINY, *flags, *data_dir)
     assert done.returncode == 2, done.stderr[-2000:]
-    error_lines = [line for line in done.stderr.splitlines() if line.startswith("shardmap_dp.py: error:")]
+    error_lines = [
+        line for line in done.stderr.splitlines() if line.startswith("shardmap_dp.py: error:")
+    ]
     assert len(error_lines) == 1 and message in error_lines[0], done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "compiled" not in done.stdout
     assert list((tmp_path / "empty").iterdir()) == []  # a failed download leaves nothing behind
@@ -251,9 +310,16 @@ def test_preparing_without_tensorflow_says_what_to_install(tmp_path):
     """requirements.txt leaves TensorFlow out: preparing a catalogue dataset, which needs it,
     stops in one line saying what to install (here TensorFlow is hidden, as if not installed)."""
     (tmp_path / "no_tensorflow").mkdir()
-    (tmp_path / "no_tensorflow" / "tensorflow.py").write_text("raise ImportError('No module named tensorflow')\n")
+    (tmp_path / "no_tensorflow" / "tensorflow.py").write_text(
+        "raise ImportError('No module named tensorflow')\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "no_tensorflow")}
-    done = run_script("fsdp", tmp_path, *TINY, "--dataset", "tiny_shakespeare", "--data-dir", "tfds", env=env)
+    done = run_script(
+        "fsdp", tmp_path, *TINY, "--dataset", "tiny_shakespeare", "--data-dir", "tfds", env=env
+    )
     assert done.returncode == 2 and done.stdout == "", done.stdout
     error = done.stderr.strip().splitlines()
-    assert len(error) == 1 and 'preparing it needs TensorFlow: pip install "tensorflow-cpu==' in error[0], error
+    assert (
+        len(error) == 1
+        and 'preparing it needs TensorFlow: pip install "tensorflow-cpu==' in error[0]
+    ), error

@@ -10,7 +10,8 @@ import pytest
 import pipeline
 from tests.harness import ROOT, SCRIPTS, matrix
 
-BRANCHES = ["pipeline", "context_parallel", "expert_parallel"]  # read after shardmap_dp.py, beside the chain
+# Read after shardmap_dp.py, beside the chain
+BRANCHES = ["pipeline", "context_parallel", "expert_parallel"]
 
 
 def test_readme_transitions_match_the_scripts():
@@ -18,12 +19,16 @@ def test_readme_transitions_match_the_scripts():
     to logical_pjit.py, and the branches from shardmap_dp.py), are what tools/transitions.py
     makes from the scripts today; README.md has a paragraph for each."""
     done = subprocess.run(
-        [sys.executable, ROOT / "tools" / "transitions.py", "--check"], capture_output=True, text=True
+        [sys.executable, ROOT / "tools" / "transitions.py", "--check"],
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr
     pairs = re.findall(r"<!-- diff (\S+) (\S+):", (ROOT / "docs" / "transitions.md").read_text())
     chain = [name for name in SCRIPTS if name not in BRANCHES]
-    expected = list(zip(chain[:-1], chain[1:], strict=True)) + [("shardmap_dp", name) for name in BRANCHES]
+    expected = list(zip(chain[:-1], chain[1:], strict=True)) + [
+        ("shardmap_dp", name) for name in BRANCHES
+    ]
     assert pairs == [(f"{a}.py", f"{b}.py") for a, b in expected]
     readme = (ROOT / "README.md").read_text()
     for a, b in expected:
@@ -34,7 +39,9 @@ def test_the_schedules_shown_are_pipeline_pys():
     """docs/strategies.md's picture of the pipeline schedules is what pipeline.py's
     --show-schedule prints, and README.md's table of them is what their tables say: both are
     what tools/schedules.py makes today."""
-    done = subprocess.run([sys.executable, ROOT / "tools" / "schedules.py", "--check"], capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, ROOT / "tools" / "schedules.py", "--check"], capture_output=True, text=True
+    )
     assert done.returncode == 0, done.stderr
     for kind in pipeline.SCHEDULES:
         assert f"--schedule {kind} on 4 stages" in (ROOT / "docs" / "strategies.md").read_text()
@@ -44,26 +51,56 @@ def test_the_schedules_shown_are_pipeline_pys():
 def test_readme_error_examples_are_what_the_scripts_say():
     """Every '$ python SCRIPT FLAGS' example in the documentation followed by an error line is
     that command's real, one-line answer."""
-    readme = "".join(path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
-    examples = re.findall(r"^\$ python (\S+\.py) ?(.*)\n(\S+\.py: error: .*)$", readme, re.MULTILINE)
+    readme = "".join(
+        path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    )
+    examples = re.findall(
+        r"^\$ python (\S+\.py) ?(.*)\n(\S+\.py: error: .*)$", readme, re.MULTILINE
+    )
     assert examples
     for script, flags, expected in examples:
         done = subprocess.run(
-            [sys.executable, script, *flags.split()], cwd=ROOT, capture_output=True, text=True, timeout=120
+            [sys.executable, script, *flags.split()],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
-        assert done.returncode == 2 and done.stderr.strip() == expected, (script, flags, done.stderr)
+        assert done.returncode == 2 and done.stderr.strip() == expected, (
+            script,
+            flags,
+            done.stderr,
+        )
 
 
 def test_a_benchmark_run_changes_no_tracked_file(tmp_path):
     """benchmarks/benchmark.py prints its table; docs/costs.md and benchmarks/results.* change
     only with --write (before: a 20-step trial run rewrote all three)."""
-    tracked = [ROOT / "docs" / "costs.md", ROOT / "benchmarks" / "results.md", ROOT / "benchmarks" / "results.png"]
+    tracked = [
+        ROOT / "docs" / "costs.md",
+        ROOT / "benchmarks" / "results.md",
+        ROOT / "benchmarks" / "results.png",
+    ]
     before = [path.read_bytes() for path in tracked]
     done = subprocess.run(
-        [sys.executable, "benchmarks/benchmark.py", "--only", "shardmap_dp", "--no-remat", "--", "--steps=2",
-         "--batch-size=8", "--seq-len=16", "--layers=1", "--d-model=32"],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "benchmarks/benchmark.py",
+            "--only",
+            "shardmap_dp",
+            "--no-remat",
+            "--",
+            "--steps=2",
+            "--batch-size=8",
+            "--seq-len=16",
+            "--layers=1",
+            "--d-model=32",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| shardmap_dp" in done.stdout and "wrote" not in done.stdout
     assert [path.read_bytes() for path in tracked] == before
@@ -89,7 +126,8 @@ def test_the_count_of_bad_inputs_is_the_tests_own():
 def benchmark_rows(page):
     """{strategy: {column: cell}} of the benchmark table in a page."""
     text = page.read_text().split("<!-- benchmark:start -->")[-1].split("<!-- benchmark:end -->")[0]
-    lines = [line for line in text.splitlines() if line.startswith("|")]  # results.md: the table alone
+    # results.md: the table alone
+    lines = [line for line in text.splitlines() if line.startswith("|")]
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
     return {
         cells[0]: dict(zip(header, cells, strict=True))
@@ -99,8 +137,15 @@ def benchmark_rows(page):
 
 # What a benchmark row says that does not depend on the machine's speed or on the 200 steps'
 # training: the layout's bytes and the compiled step's collectives, the same on any x86 CPU.
-STRUCTURE = ["state MB/device", "× total/N", "compiled args MB", "all-reduce n / MB", "all-gather n / MB",
-             "reduce-scatter n / MB", "other n / MB"]  # fmt: skip
+STRUCTURE = [
+    "state MB/device",
+    "× total/N",
+    "compiled args MB",
+    "all-reduce n / MB",
+    "all-gather n / MB",
+    "reduce-scatter n / MB",
+    "other n / MB",
+]
 
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -133,7 +178,10 @@ def test_the_benchmark_table_is_what_the_scripts_compile(strategy):
         benchmark.megabytes(s["state_bytes_per_device"]),
         f"{s['state_bytes_per_device'] * s['devices'] / s['state_bytes_total']:.2f}",
         benchmark.megabytes(s["compiled_argument_bytes"]),
-        *map(benchmark.collective_cell, (c["all-reduce"], c["all-gather"], c["reduce-scatter"], other)),
+        *map(
+            benchmark.collective_cell,
+            (c["all-reduce"], c["all-gather"], c["reduce-scatter"], other),
+        ),
     ]
     print(f"\n{strategy}: {mine}; temporaries {benchmark.megabytes(s['compiled_temp_bytes'])} MB")
     assert mine == [table[strategy][column] for column in STRUCTURE]

@@ -33,7 +33,9 @@ def test_experts_that_are_one_mlp_give_that_mlp():
     same MLP and no token dropped, the mixture is that MLP, whatever the router says."""
     config, moe, moe_params, mlp, mlp_params, x = mixture(0, same_experts=True)
     out, stats = moe.apply({"params": moe_params}, x, True)
-    np.testing.assert_allclose(out, mlp.apply({"params": mlp_params}, x, True), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        out, mlp.apply({"params": mlp_params}, x, True), rtol=1e-5, atol=1e-6
+    )
     assert float(stats["dropped_tokens"]) == 0
     assert float(stats["expert_tokens"].sum()) == x.shape[0] * x.shape[1] * config.top_k
 
@@ -72,15 +74,28 @@ def test_routing_is_in_the_log_and_the_metrics(tmp_path):
     """Each log line and metrics record says how the tokens were routed: the load-balancing
     loss, the fewest and most tokens an expert got in a block, the share dropped."""
     done = run_script(
-        "expert_parallel", tmp_path, *TINY, "--capacity-factor", "0.5", "--metrics-file", "m.jsonl", "--eval-every", "0"
+        "expert_parallel",
+        tmp_path,
+        *TINY,
+        "--capacity-factor",
+        "0.5",
+        "--metrics-file",
+        "m.jsonl",
+        "--eval-every",
+        "0",
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "mesh data=2,expert=4, experts split over 'expert'" in done.stdout
     lines = [line for line in done.stdout.splitlines() if line.startswith("step ")]
-    assert lines and all(" | aux " in line and "expert tokens " in line and "% dropped" in line for line in lines)
+    assert lines and all(
+        " | aux " in line and "expert tokens " in line and "% dropped" in line for line in lines
+    )
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()][:-1]
     for record in records:
-        assert record["expert_tokens_min"] <= record["expert_tokens_max"] and 0 < record["dropped_share"] < 1
+        assert (
+            record["expert_tokens_min"] <= record["expert_tokens_max"]
+            and 0 < record["dropped_share"] < 1
+        )
         assert record["aux_loss"] > 0
 
 
@@ -91,8 +106,12 @@ def test_a_token_costs_its_top_k_experts():
     d, flops = SMALL["d_model"], {}
     for name, config in (("dense", dense), ("moe", moe)):
         params = jax.eval_shape(
-            lambda config=config: nn.unbox(common.init_params(common.make_model(config), jax.random.key(0)))
+            lambda config=config: nn.unbox(
+                common.init_params(common.make_model(config), jax.random.key(0))
+            )
         )
         flops[name] = common.flops_per_token(config, params)
     mlp = d * 4 * d + 4 * d + 4 * d * d + d
-    assert flops["moe"] - flops["dense"] == 6 * SMALL["layers"] * ((MOE["top_k"] - 1) * mlp + d * MOE["experts"])
+    assert flops["moe"] - flops["dense"] == 6 * SMALL["layers"] * (
+        (MOE["top_k"] - 1) * mlp + d * MOE["experts"]
+    )

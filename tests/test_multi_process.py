@@ -44,11 +44,21 @@ def test_a_dead_process_stops_the_others(victim, tmp_path):
 def test_unreachable_coordinator_fails_in_bounded_time(tmp_path):
     port = free_port()  # nobody listens on it
     start = time.monotonic()
-    done = run_script("fsdp", tmp_path, *TINY, f"--coordinator-address=127.0.0.1:{port}", "--num-processes=2",
-                      "--process-id=1", "--heartbeat-timeout=3")  # fmt: skip
+    done = run_script(
+        "fsdp",
+        tmp_path,
+        *TINY,
+        f"--coordinator-address=127.0.0.1:{port}",
+        "--num-processes=2",
+        "--process-id=1",
+        "--heartbeat-timeout=3",
+    )
     waited = time.monotonic() - start
     assert done.returncode == 1 and waited < 30
-    assert f"cannot reach the coordinator at 127.0.0.1:{port} after 3s" in done.stderr.strip().splitlines()[-1]
+    assert (
+        f"cannot reach the coordinator at 127.0.0.1:{port} after 3s"
+        in done.stderr.strip().splitlines()[-1]
+    )
     assert "Traceback" not in done.stderr and "compiled" not in done.stdout
 
 
@@ -60,7 +70,8 @@ def stopped(procs, tmp_path, timeout=120):
     # connect, two at once, so that their lines can come cut and interleaved: leave out the pieces.
     gloo = ("[Gloo]", "peer ranks")
     return codes, [
-        [line for line in log.splitlines() if line.strip() and not any(g in line for g in gloo)] for log in logs
+        [line for line in log.splitlines() if line.strip() and not any(g in line for g in gloo)]
+        for log in logs
     ]
 
 
@@ -77,18 +88,33 @@ def test_processes_with_different_flags_stop_naming_the_flag(flag, values, tmp_p
     start = time.monotonic()
     with cluster("shardmap_dp", tmp_path, TINY, heartbeat=20, extra=extra) as procs:
         codes, lines = stopped(procs, tmp_path)
-    print(f"\n--{flag} {values[0]} vs {values[1]}: exits {codes} after {time.monotonic() - start:.1f}s: {lines[0]}")
+    print(
+        f"\n--{flag} {values[0]} vs {values[1]}: exits {codes} after "
+        f"{time.monotonic() - start:.1f}s: {lines[0]}"
+    )
     assert codes == [2, 2] and all(len(out) == 1 for out in lines), lines
-    if flag == "cpu-devices":  # found from the devices themselves, before the flags are gathered over them
-        assert all("the processes have 4, 2 devices: every process needs as many" in out[0] for out in lines)
+    # Found from the devices themselves, before the flags are gathered over them
+    if flag == "cpu-devices":
+        assert all(
+            "the processes have 4, 2 devices: every process needs as many" in out[0]
+            for out in lines
+        )
         return
-    assert f"--{flag} differs between processes: {values[0]} on process 0, {values[1]} on process 1" in lines[0][0]
-    assert f"--{flag} differs between processes: {values[1]} on process 1, {values[0]} on process 0" in lines[1][0]
+    assert (
+        f"--{flag} differs between processes: {values[0]} on process 0, {values[1]} on process 1"
+        in lines[0][0]
+    )
+    assert (
+        f"--{flag} differs between processes: {values[1]} on process 1, {values[0]} on process 0"
+        in lines[1][0]
+    )
 
 
 def test_a_bad_flag_on_one_process_stops_both(tmp_path):
     """The process with the bad flag says which (exit 2); the other says that process stopped."""
-    with cluster("shardmap_dp", tmp_path, TINY, heartbeat=20, extra=([], ["--batch-size=9"])) as procs:
+    with cluster(
+        "shardmap_dp", tmp_path, TINY, heartbeat=20, extra=([], ["--batch-size=9"])
+    ) as procs:
         codes, lines = stopped(procs, tmp_path)
     assert codes == [2, 2] and all(len(out) == 1 for out in lines), lines
     assert "error: --batch-size must be divisible by" in lines[1][0]
@@ -112,8 +138,16 @@ def test_ctrl_c_on_one_process_stops_both_at_the_same_step(tmp_path):
     after the same step, saves it and exits 0 (before: both aborted, 134, after the heartbeat
     timeout, with nothing saved since the last checkpoint)."""
     metrics, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
-    flags = as_flags({**SMALL, "steps": 100_000, "log_every": 1, "metrics_file": metrics, "checkpoint_dir": ckpt,
-                      "checkpoint_every": 100_000})  # fmt: skip
+    flags = as_flags(
+        {
+            **SMALL,
+            "steps": 100_000,
+            "log_every": 1,
+            "metrics_file": metrics,
+            "checkpoint_dir": ckpt,
+            "checkpoint_every": 100_000,
+        }
+    )
     with cluster("shardmap_dp", tmp_path, flags, heartbeat=20) as procs:
         deadline = time.monotonic() + 300
         while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # training runs
@@ -121,10 +155,16 @@ def test_ctrl_c_on_one_process_stops_both_at_the_same_step(tmp_path):
             time.sleep(0.5)
         procs[1].send_signal(signal.SIGINT)
         codes, lines = stopped(procs, tmp_path)
-    saved = [int(line.split()[-1]) for out in lines for line in out if line.startswith("stopped: saved the checkpoint")]
+    saved = [
+        int(line.split()[-1])
+        for out in lines
+        for line in out
+        if line.startswith("stopped: saved the checkpoint")
+    ]
     print(f"\nCtrl-C on process 1: exits {codes}, stopped at {saved}")
     assert codes == [0, 0] and "Traceback" not in "".join(map(str, lines))
-    assert len(saved) == 1 and [int(n) for n in os.listdir(ckpt) if n.isdigit()] == saved  # process 0 reports
+    # Process 0 reports
+    assert len(saved) == 1 and [int(n) for n in os.listdir(ckpt) if n.isdigit()] == saved
     assert any("Ctrl-C: the run will finish its step" in line for line in lines[1])
     assert json.loads(metrics.read_text().splitlines()[-1])["summary"]["steps"] == saved[0]
 
@@ -138,9 +178,17 @@ def test_a_coordinator_port_in_use_is_one_line_on_every_process(tmp_path):
         holder.listen()
         port = holder.getsockname()[1]
         address = f"--coordinator-address=127.0.0.1:{port}"
-        first = run_script("shardmap_dp", tmp_path, *TINY, address, "--num-processes=2", "--process-id=0")
+        first = run_script(
+            "shardmap_dp", tmp_path, *TINY, address, "--num-processes=2", "--process-id=0"
+        )
         second = run_script(
-            "shardmap_dp", tmp_path, *TINY, address, "--num-processes=2", "--process-id=1", "--heartbeat-timeout=5"
+            "shardmap_dp",
+            tmp_path,
+            *TINY,
+            address,
+            "--num-processes=2",
+            "--process-id=1",
+            "--heartbeat-timeout=5",
         )
     assert first.returncode == 2 and first.stderr.count("\n") == 1, first.stderr
     assert f"--coordinator-address: port {port} is in use on this host" in first.stderr

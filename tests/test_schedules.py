@@ -7,12 +7,24 @@ import numpy as np
 import pytest
 
 from pipeline import (
-    BACKWARD, FORWARD, GRADIENT, GRADIENT_IN, IDLE, INPUT, INPUT_GRAD, INPUT_IN, MICROBATCH, OP, SCHEDULES, VIRTUAL,
-    WEIGHT_GRAD, make_schedule,
-)  # fmt: skip
+    BACKWARD,
+    COLUMNS,
+    FORWARD,
+    IDLE,
+    INPUT_GRAD,
+    MICROBATCH,
+    OP,
+    SCHEDULES,
+    VIRTUAL,
+    WEIGHT_GRAD,
+    make_schedule,
+)
 
-SIZES = sorted({(stages, microbatches) for stages in (2, 3, 4, 8) for microbatches in (stages, 2 * stages, 16)})
-# (kind, stages, micro-batches, groups of layers per stage); interleaved takes multiples of the stages.
+SIZES = sorted(
+    {(stages, microbatches) for stages in (2, 3, 4, 8) for microbatches in (stages, 2 * stages, 16)}
+)
+# (kind, stages, micro-batches, groups of layers per stage); interleaved takes multiples of the
+# stages.
 CASES = [(kind, s, m, 1) for kind in SCHEDULES if kind != "interleaved" for s, m in SIZES]
 CASES += [("interleaved", s, m, v) for s, m in SIZES if m % s == 0 for v in (2, 3, 4)]
 
@@ -23,7 +35,9 @@ def bubble_formula(kind, stages, microbatches, virtual):
     (Qi et al. 2023, T_F = T_B = T_W): (S - 1)(T_F + T_B - T_W) idle beside 3M ticks of work.
     Interleaved (Narayanan et al. 2021): a tick is a group of layers, 1 / V of a stage's, so
     the same S - 1 ticks each way are beside V M of each: (S - 1) / (V M + S - 1)."""
-    work = {"zero-bubble": 3 * microbatches, "interleaved": virtual * microbatches}.get(kind, microbatches)
+    work = {"zero-bubble": 3 * microbatches, "interleaved": virtual * microbatches}.get(
+        kind, microbatches
+    )
     return (stages - 1) / (work + stages - 1)
 
 
@@ -36,7 +50,9 @@ def most_held(kind, stages, microbatches, virtual, s):
         "gpipe": microbatches,
         "1f1b": min(stages - s, microbatches),
         "zero-bubble": min(stages, microbatches),
-        "interleaved": min((virtual - 1) * stages + 2 * (stages - 1 - s) + 1, virtual * microbatches),
+        "interleaved": min(
+            (virtual - 1) * stages + 2 * (stages - 1 - s) + 1, virtual * microbatches
+        ),
     }[kind]
 
 
@@ -49,7 +65,9 @@ def test_schedule_is_valid_and_its_bubble_is_the_formulas(kind, stages, microbat
         for s in range(stages):
             op, m, v = table[t, s, [OP, MICROBATCH, VIRTUAL]]
             if op != IDLE:
-                assert (op, v * stages + s, m) not in when, f"{kind}: stage {s} runs {op} of {v}, {m} twice"
+                assert (op, v * stages + s, m) not in when, (
+                    f"{kind}: stage {s} runs {op} of {v}, {m} twice"
+                )
                 when[op, v * stages + s, m] = t
     backward = INPUT_GRAD if kind == "zero-bubble" else BACKWARD
     expected_ops = {FORWARD, backward} | ({WEIGHT_GRAD} if kind == "zero-bubble" else set())
@@ -62,26 +80,30 @@ def test_schedule_is_valid_and_its_bubble_is_the_formulas(kind, stages, microbat
             if kind == "zero-bubble":
                 assert when[WEIGHT_GRAD, c, m] > back
             if c > 0:  # its input arrived from the previous group at the end of an earlier tick
-                kept(table, s, INPUT, when[FORWARD, c - 1, m], [forward, back, when[last, c, m]])
+                kept(table, s, "input", when[FORWARD, c - 1, m], [forward, back, when[last, c, m]])
             if c < chunks - 1:  # the gradient of its output arrived from the next group
-                kept(table, s, GRADIENT, when[backward, c + 1, m], [back, when[last, c, m]])
+                kept(table, s, "gradient", when[backward, c + 1, m], [back, when[last, c, m]])
             else:
                 assert back > forward
     for s in range(stages):
         mine = [(v * stages + s, m) for v in range(virtual) for m in range(microbatches)]
-        held = [sum(when[FORWARD, c, m] <= t < when[last, c, m] for c, m in mine) for t in range(ticks)]
+        held = [
+            sum(when[FORWARD, c, m] <= t < when[last, c, m] for c, m in mine) for t in range(ticks)
+        ]
         assert max(held) == most_held(kind, stages, microbatches, virtual, s), f"{kind}: stage {s}"
     idle = (table[:, :, OP] == IDLE).mean()
     assert idle == pytest.approx(bubble_formula(kind, stages, microbatches, virtual), abs=1e-12)
 
 
-def kept(table, s, kind, sent, reads):
-    """What was sent to stage s at tick `sent` went into a slot, which every read of it names
-    and which nothing else arriving at stage s overwrites before the last read."""
-    slot = table[sent, s, {INPUT: INPUT_IN, GRADIENT: GRADIENT_IN}[kind]]
+def kept(table, s, what, sent, reads):
+    """What was sent to stage s at tick `sent` (an "input" or a "gradient") went into a slot,
+    which every read of it names and which nothing else arriving at stage s overwrites before
+    the last read."""
+    read, arrives = COLUMNS[what]
+    slot = table[sent, s, arrives]
     assert slot >= 0 and sent < min(reads)
-    assert all(table[t, s, kind] == slot for t in reads)
-    overwritten = table[sent + 1 : max(reads), s, {INPUT: INPUT_IN, GRADIENT: GRADIENT_IN}[kind]]
+    assert all(table[t, s, read] == slot for t in reads)
+    overwritten = table[sent + 1 : max(reads), s, arrives]
     assert slot not in overwritten
 
 

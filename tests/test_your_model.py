@@ -25,8 +25,11 @@ def run_with_llama(script, tmp_path, *flags, copy=True):
         copy_alone(script, tmp_path)
     return subprocess.run(
         [sys.executable, f"{script}.py", "--model", "llama.py", *TINY, "--eval-every", "0", *flags],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 @pytest.mark.parametrize("script", ["fsdp", "pipeline"])
@@ -48,16 +51,23 @@ def test_pjit_tp_trains_a_model_file_with_its_table_entries(tmp_path):
     """pjit_tp.py needs what its contract asks, the new parameters' entries in PARAM_SPECS
     (five lines, as test_equivalence.LLAMA_SPECS), and splits them as they say."""
     done = run_with_llama("pjit_tp", tmp_path)
-    assert done.returncode == 2 and "is in no entry of pjit_tp.py's PARAM_SPECS" in done.stderr, done.stderr
+    assert done.returncode == 2 and "is in no entry of pjit_tp.py's PARAM_SPECS" in done.stderr, (
+        done.stderr
+    )
     script = (tmp_path / "pjit_tp.py").read_text()
     entries = (
-        '    (r"/(q|gate|up)/kernel", P(None, "model")),\n    (r"/(o|down)/kernel", P("model", None)),\n'
+        '    (r"/(q|gate|up)/kernel", P(None, "model")),\n'
+        '    (r"/(o|down)/kernel", P("model", None)),\n'
         '    (r"/kv/kernel|norm/scale", P()),\n'
     )
-    (tmp_path / "pjit_tp.py").write_text(script.replace("PARAM_SPECS = (\n", "PARAM_SPECS = (\n" + entries, 1))
+    (tmp_path / "pjit_tp.py").write_text(
+        script.replace("PARAM_SPECS = (\n", "PARAM_SPECS = (\n" + entries, 1)
+    )
     done = run_with_llama("pjit_tp", tmp_path, "--show-sharding", copy=False)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert re.search(r"block_0/gate/kernel +\(32, 80\) +P\(None, 'model'\) +2,560\n", done.stdout), done.stdout
+    assert re.search(
+        r"block_0/gate/kernel +\(32, 80\) +P\(None, 'model'\) +2,560\n", done.stdout
+    ), done.stdout
     assert re.search(r"block_0/kv/kernel +\(32, 32\) +P\(\) +4,096\n", done.stdout), done.stdout
 
 
@@ -69,26 +79,50 @@ def broken(change):
 
 # (a change to tests/llama.py, what the one-line error says)
 BREACHES = [
-    (("class Block(common.Piece)", "class Layer(common.Piece)"), "defines no Block: a model is three Flax modules"),
-    (("class Head(common.Piece)", "class Head(nn.Module)"), "Head is not a common.Piece: subclass it"),
-    (('nn.with_logical_partitioning(nn.initializers.ones, ("norm",))', "nn.initializers.ones"),
-     "Block's parameter attn_norm/scale has no logical axis names: declare it with nn.with_logical_partitioning"),
-    (('_init(("vocab", "embed"))', '_init(("vocab",))'), "Embed's parameter token/embedding has 2 axes but names"),
-    (("        return x, None\n", "        return x\n"), "Block returns float32[2, 16, 32] for activations"),
-    (("return logits.astype(jnp.float32)", "return logits.astype(jnp.float32)[..., :-1]"),
-     "Head returns float32[2, 16, 255]; it must return float32 logits float32[2, 16, 256]"),
-    (("return logits.astype(jnp.float32)", "return logits.astype(jnp.bfloat16)"), "Head returns bfloat16[2, 16, 256]"),
-]  # fmt: skip
+    (
+        ("class Block(common.Piece)", "class Layer(common.Piece)"),
+        "defines no Block: a model is three Flax modules",
+    ),
+    (
+        ("class Head(common.Piece)", "class Head(nn.Module)"),
+        "Head is not a common.Piece: subclass it",
+    ),
+    (
+        ('nn.with_logical_partitioning(nn.initializers.ones, ("norm",))', "nn.initializers.ones"),
+        "Block's parameter attn_norm/scale has no logical axis names: declare it with "
+        "nn.with_logical_partitioning",
+    ),
+    (
+        ('_init(("vocab", "embed"))', '_init(("vocab",))'),
+        "Embed's parameter token/embedding has 2 axes but names",
+    ),
+    (
+        ("        return x, None\n", "        return x\n"),
+        "Block returns float32[2, 16, 32] for activations",
+    ),
+    (
+        ("return logits.astype(jnp.float32)", "return logits.astype(jnp.float32)[..., :-1]"),
+        "Head returns float32[2, 16, 255]; it must return float32 logits float32[2, 16, 256]",
+    ),
+    (
+        ("return logits.astype(jnp.float32)", "return logits.astype(jnp.bfloat16)"),
+        "Head returns bfloat16[2, 16, 256]",
+    ),
+]
 
 
-@pytest.mark.parametrize("change, message", BREACHES, ids=[message.split(":")[0] for _, message in BREACHES])
+@pytest.mark.parametrize(
+    "change, message", BREACHES, ids=[message.split(":")[0] for _, message in BREACHES]
+)
 def test_a_model_that_breaks_the_contract_is_one_line(change, message, tmp_path, capsys):
     """Each breach stops the run before anything is compiled: exit 2, one line naming the
     piece or parameter and what to do."""
     (tmp_path / "bad.py").write_text(broken(change))
     model = str(tmp_path / "bad.py")  # a path of its own: a process loads a --model once
     with pytest.raises(SystemExit) as exit_info:
-        SCRIPTS["fsdp"].main(common.parse_config(SCRIPTS["fsdp"].Config, None, [*TINY, "--model", model]))
+        SCRIPTS["fsdp"].main(
+            common.parse_config(SCRIPTS["fsdp"].Config, None, [*TINY, "--model", model])
+        )
     out, err = capsys.readouterr()
     assert exit_info.value.code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and message in err, err
@@ -97,14 +131,19 @@ def test_a_model_that_breaks_the_contract_is_one_line(change, message, tmp_path,
 @pytest.mark.parametrize(
     "model, message",
     [
-        ("no_such_model", "--model no_such_model: no such model, Python file or module; built in: gpt"),
+        (
+            "no_such_model",
+            "--model no_such_model: no such model, Python file or module; built in: gpt",
+        ),
         ("missing.py", "--model missing.py is not a file"),
     ],
 )
 def test_an_unknown_model_is_one_line(model, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_info:
-        SCRIPTS["shardmap_dp"].main(common.parse_config(SCRIPTS["shardmap_dp"].Config, None, [*TINY, "--model", model]))
+        SCRIPTS["shardmap_dp"].main(
+            common.parse_config(SCRIPTS["shardmap_dp"].Config, None, [*TINY, "--model", model])
+        )
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
@@ -115,10 +154,15 @@ def test_logical_rules_refuse_an_axis_name_they_do_not_know(tmp_path, capsys):
     module = SCRIPTS["logical_pjit"]
     with pytest.raises(SystemExit) as exit_info:
         module.main(
-            common.parse_config(module.Config, None, [*TINY, "--model", str(tmp_path / "kv.py"), "--rules", "tp"])
+            common.parse_config(
+                module.Config, None, [*TINY, "--model", str(tmp_path / "kv.py"), "--rules", "tp"]
+            )
         )
     err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "tp has no rule for the axis 'kv' of block_0/kv/kernel (32, 32)" in err, err
+    assert (
+        exit_info.value.code == 2
+        and "tp has no rule for the axis 'kv' of block_0/kv/kernel (32, 32)" in err
+    ), err
     assert "add a rule for it to RULES, or add it to UNSPLIT" in err
 
 
@@ -139,7 +183,8 @@ def test_a_text_file_is_read_as_bytes_its_last_tenth_held_out(tmp_path):
         assert start + 17 <= 9216
     for row in held_out:
         assert bytes(row.astype(np.uint8)) in text[9216:]
-    assert (common.TextFile(config).batch(3, 2, 5) == train[2:5]).all()  # the same rows on any process
+    # The same rows on any process
+    assert (common.TextFile(config).batch(3, 2, 5) == train[2:5]).all()
     assert not (data.batch(4, 0, 8) == train).all()
 
 
@@ -152,9 +197,14 @@ def test_a_text_file_trains(tmp_path):
 
 @pytest.mark.parametrize(
     "content, message",
-    [(b"too short\n" * 10, "input.txt is too short: its held-out tenth has 10 bytes"), (None, "is not a file")],
+    [
+        (b"too short\n" * 10, "input.txt is too short: its held-out tenth has 10 bytes"),
+        (None, "is not a file"),
+    ],
 )
-def test_a_text_file_too_short_or_absent_is_one_line(content, message, tmp_path, monkeypatch, capsys):
+def test_a_text_file_too_short_or_absent_is_one_line(
+    content, message, tmp_path, monkeypatch, capsys
+):
     if content is not None:
         (tmp_path / "input.txt").write_bytes(content)
     monkeypatch.chdir(tmp_path)

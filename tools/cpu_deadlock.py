@@ -10,9 +10,9 @@ the scripts' timeouts, after 20 seconds with XLA's own). Measured on 2 cores: 8 
 with 15 threads and finish with 16; 4 devices hang with 4 (XLA's default here) or 5, and
 finish with 6 or more.
 
-  python tools/cpu_deadlock.py                             # the scripts' setting: finishes
-  python tools/cpu_deadlock.py --devices 8 --threads 15    # 2N - 1 threads: hangs; only SIGKILL stops it
-  python tools/cpu_deadlock.py --threads 4                 # XLA's default with 4 devices on up to 4 cores: hangs
+  python tools/cpu_deadlock.py                           # the scripts' setting: finishes
+  python tools/cpu_deadlock.py --devices 8 --threads 15  # 2N - 1 threads: hangs, until SIGKILL
+  python tools/cpu_deadlock.py --threads 4               # XLA's default on <= 4 cores: hangs
 """
 
 import argparse
@@ -28,9 +28,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import common  # noqa: E402
 
-parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser = argparse.ArgumentParser(
+    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+)
 parser.add_argument("--devices", type=int, default=4, help="emulated CPU devices")
-parser.add_argument("--threads", type=int, help="the CPU client's threads (PJRT_NPROC); default: the scripts' choice")
+parser.add_argument(
+    "--threads",
+    type=int,
+    help="the CPU client's threads (PJRT_NPROC); default: the scripts' choice",
+)
 parser.add_argument("--steps", type=int, default=300)
 args = parser.parse_args()
 if args.threads:
@@ -41,7 +47,10 @@ print(f"{args.devices} devices, PJRT_NPROC={os.environ['PJRT_NPROC']}", flush=Tr
 mesh = jax.make_mesh((args.devices,), ("d",))
 step = jax.jit(
     jax.shard_map(
-        lambda x: jax.lax.all_gather(x, "d", tiled=True)[: x.shape[0]] + 1, mesh=mesh, in_specs=P("d"), out_specs=P("d")
+        lambda x: jax.lax.all_gather(x, "d", tiled=True)[: x.shape[0]] + 1,
+        mesh=mesh,
+        in_specs=P("d"),
+        out_specs=P("d"),
     )
 )
 x = jax.device_put(np.zeros((args.devices * 64, 64), np.float32), NamedSharding(mesh, P("d")))

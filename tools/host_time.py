@@ -28,7 +28,18 @@ import time
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-SMALL = ["--cpu-devices", "1", "--layers", "1", "--d-model", "32", "--heads", "2", "--eval-every", "0"]
+SMALL = [
+    "--cpu-devices",
+    "1",
+    "--layers",
+    "1",
+    "--d-model",
+    "32",
+    "--heads",
+    "2",
+    "--eval-every",
+    "0",
+]
 SMALL += ["--steps", "60", "--log-every", "10", "--batch-size", "8", "--seq-len", "1024"]
 
 
@@ -80,15 +91,24 @@ def runs(script: str, flags: list):
             with open(metrics) as file:
                 summary = [json.loads(line) for line in file][-1]["summary"]
         step, waited = summary["step_seconds"] * 1e3, summary["data_wait_seconds"] * 1e3
-        print(f"  {name:<30} {step:7.1f} ms/step, waiting for data {waited:6.2f} ms ({waited / step:.0%})")
+        print(
+            f"  {name:<30} {step:7.1f} ms/step, waiting for data {waited:6.2f} ms "
+            f"({waited / step:.0%})"
+        )
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--script", default="shardmap_dp.py", help="the script to run")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # one run, in a process of its own
     parser.add_argument("--python-loop", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("flags", nargs="*", help="the script's flags after --, instead of a small model at 8 x 1,024")
+    parser.add_argument(
+        "flags",
+        nargs="*",
+        help="the script's flags after --, instead of a small model at 8 x 1,024",
+    )
     args = parser.parse_args()
     if args.run:
         run(args.run, args.flags, args.python_loop)

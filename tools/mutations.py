@@ -1,4 +1,5 @@
-"""Put plausible parallelism bugs into the scripts, one at a time, and check that the tests catch each.
+"""Put plausible parallelism bugs into the scripts, one at a time, and check that the tests catch
+each.
 
 A catalogue of bugs that a careful person could write (a sum where a mean belongs, a collective
 left out or added, a ring turned the wrong way, a shared dropout key, ...), each one a single
@@ -31,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "mutations.md"
 MARKER = re.compile(r"<!-- mutations:start -->\n.*?<!-- mutations:end -->", re.DOTALL)
 EQ = "test_equivalence.py"
+DROPOUT = "tests/test_dropout.py::test_dropout_is_on_and_every_device_draws_its_own_masks"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +56,8 @@ BUGS = [
         "pmap_dp.py",
         'metrics = lax.psum(metrics, "data")',
         "metrics = metrics",
-        "pmap's metrics are not summed over the devices: the loss logged is one device's (a missing psum)",
+        "pmap's metrics are not summed over the devices: the loss logged is one device's (a "
+        "missing psum)",
         (f"{EQ}::test_matches_single_device_reference[pmap_dp]",),
     ),
     Bug(
@@ -66,15 +69,16 @@ BUGS = [
     ),
     Bug(
         "fsdp.py",
-        'return grad.replace(value=lax.pmean(mean, "replica") if "replica" in every_device() else mean)',
-        "return grad.replace(value=mean)",
-        "HSDP: the shards' gradients are not all-reduced across the replica groups (a missing psum)",
+        'mean = lax.pmean(mean, "replica")',
+        "mean = mean",
+        "HSDP: the shards' gradients are not all-reduced across the replica groups (a missing "
+        "psum)",
         (f"{EQ}::test_matches_single_device_reference[hsdp]",),
     ),
     Bug(
         "fsdp.py",
-        'return jnp.sqrt(lax.psum(sharded, "data") + whole)',
-        "return jnp.sqrt(sharded + whole)",
+        'return jnp.sqrt(lax.psum(pieces, "data") + whole)',
+        "return jnp.sqrt(pieces + whole)",
         "FSDP clips by the norm of the device's own shards: a local norm",
         (f"{EQ}::test_clipping_matches[fsdp]", f"{EQ}::test_matches_single_device_reference[fsdp]"),
     ),
@@ -82,14 +86,14 @@ BUGS = [
         "expert_parallel.py",
         'return lax.psum(grad, "data") / lax.axis_size(("data", "expert"))',
         'return lax.psum(grad, "data") / lax.axis_size("data")',
-        "an expert's gradient, already summed over 'expert' by the all-to-all, is divided as if it were not "
-        "(4 times too large)",
+        "an expert's gradient, already summed over 'expert' by the all-to-all, is divided as if "
+        "it were not (4 times too large)",
         (f"{EQ}::test_matches_single_device_reference[expert_parallel]",),
     ),
     Bug(
         "expert_parallel.py",
-        'return jnp.sqrt(lax.psum(split, "expert") + whole)',
-        "return jnp.sqrt(split + whole)",
+        'return jnp.sqrt(lax.psum(pieces, "expert") + whole)',
+        "return jnp.sqrt(pieces + whole)",
         "expert parallelism clips by a norm that counts only the device's own experts",
         (f"{EQ}::test_matches_single_device_reference[expert_parallel]",),
     ),
@@ -97,7 +101,8 @@ BUGS = [
         "context_parallel.py",
         "ring = [(d, (d + 1) % devices) for d in range(devices)]",
         "ring = [(d, (d - 1) % devices) for d in range(devices)]",
-        "ring attention sends keys and values the wrong way round the ring (wrong ppermute direction)",
+        "ring attention sends keys and values the wrong way round the ring (wrong ppermute "
+        "direction)",
         (f"{EQ}::test_matches_single_device_reference[context_parallel]",),
     ),
     Bug(
@@ -109,10 +114,10 @@ BUGS = [
     ),
     Bug(
         "context_parallel.py",
-        'rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index(("data", "context")))',
-        "rng = jax.random.fold_in(state.rng, state.step)",
+        'jax.random.fold_in(state.rng, state.step), lax.axis_index(("data", "context"))',
+        "jax.random.fold_in(state.rng, state.step), 0",
         "context parallelism's dropout keys are shared: every device draws the same masks",
-        ("tests/test_dropout.py::test_dropout_is_on_and_every_device_draws_its_own_masks[context_parallel]",),
+        (f"{DROPOUT}[context_parallel]",),
     ),
     Bug(
         "context_parallel.py",
@@ -137,38 +142,36 @@ BUGS = [
     ),
     Bug(
         "pipeline.py",
-        'lax.psum(g, "stage") if axis is None else lax.psum_scatter(g, "stage", scatter_dimension=axis, tiled=True)',
-        'g if axis is None else lax.dynamic_slice_in_dim(g, lax.axis_index("stage") * (g.shape[axis] // '
-        'lax.axis_size("stage")), g.shape[axis] // lax.axis_size("stage"), axis)',
-        "the embedding's and head's gradients are not reduce-scattered over 'stage': each device keeps its slice "
-        "of its own stage's gradient",
+        'return lax.psum_scatter(g, "stage", scatter_dimension=spec.index("stage"), tiled=True)',
+        'axis, size = spec.index("stage"), g.shape[spec.index("stage")] // lax.axis_size("stage")\n'
+        '        return lax.dynamic_slice_in_dim(g, lax.axis_index("stage") * size, size, axis)',
+        "the embedding's and head's gradients are not reduce-scattered over 'stage': each device "
+        "keeps its slice of its own stage's gradient",
         (f"{EQ}::test_matches_single_device_reference[pipeline_1f1b]",),
     ),
     Bug(
         "common.py",
-        "total, _ = jax.lax.scan(add_piece, piece_grads(pieces[0], 0), (pieces[1:], jnp.arange(1, microbatches)))",
-        "total, _ = jax.lax.scan(add_piece, jax.tree.map(jnp.zeros_like, piece_grads(pieces[0], 0)), (pieces[1:], "
-        "jnp.arange(1, microbatches)))",
+        "add_piece, piece_grads(pieces[0], 0), (pieces[1:], jnp.arange(1, microbatches))",
+        "add_piece,\n        jax.tree.map(jnp.zeros_like, piece_grads(pieces[0], 0)),\n        "
+        "(pieces[1:], jnp.arange(1, microbatches)),",
         "gradient accumulation drops the first micro-batch's gradient",
         (f"{EQ}::test_microbatches_match[shardmap_dp]",),
     ),
     Bug(
         "logical_pjit.py",
         "create = jax.jit(create, out_shardings=state_shardings(boxed, mesh, RULES[config.rules]))",
-        "shardings = state_shardings(boxed, mesh, RULES[config.rules])\n"
-        "    replicated = NamedSharding(mesh, P())\n"
-        "    shardings = shardings.replace(opt_state=jax.tree.map(lambda _: replicated, shardings.opt_state))\n"
-        "    create = jax.jit(create, out_shardings=shardings)",
+        "shardings = state_shardings(boxed, mesh, RULES[config.rules])\n    replicated = "
+        "jax.tree.map(lambda _: NamedSharding(mesh, P()), shardings.opt_state)\n    create = "
+        "jax.jit(create, out_shardings=shardings.replace(opt_state=replicated))",
         "logical_pjit.py keeps Adam's moments whole on every device (moments unsharded)",
         (f"{EQ}::test_matches_single_device_reference[logical_fsdp_tp]",),
     ),
     Bug(
         "pjit_tp.py",
-        "return jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, state_spec(path, x)), "
-        "abstract_state)",
-        "shardings = jax.tree_util.tree_map_with_path(lambda path, x: NamedSharding(mesh, state_spec(path, x)), "
-        "abstract_state)\n    return shardings.replace(opt_state=jax.tree.map(lambda _: NamedSharding(mesh, P()), "
-        "shardings.opt_state))",
+        "lambda path, x: NamedSharding(mesh, state_spec(path, x)), abstract_state\n    )",
+        "lambda path, x: NamedSharding(mesh, state_spec(path, x)), abstract_state\n    "
+        ").replace(opt_state=jax.tree.map(lambda x: NamedSharding(mesh, P()), "
+        "abstract_state.opt_state))",
         "pjit_tp.py keeps Adam's moments whole on every device (moments unsharded)",
         (f"{EQ}::test_matches_single_device_reference[pjit_tp]",),
     ),
@@ -176,16 +179,16 @@ BUGS = [
         "pjit_tp.py",
         '(r"mlp/fc2/kernel", P("model", None)),',
         '(r"mlp/fc2/kernel", P(None, "model")),',
-        "tensor parallelism splits fc2 by output columns instead of input rows (not Megatron's layout: the "
-        "compiler gathers instead)",
+        "tensor parallelism splits fc2 by output columns instead of input rows (not Megatron's "
+        "layout: the compiler gathers instead)",
         (f"{EQ}::test_tensor_parallelism_is_megatron[pjit_tp]",),
     ),
     Bug(
         "shardmap_dp.py",
-        'rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index("data"))',
-        "rng = jax.random.fold_in(state.rng, state.step)",
+        'jax.random.fold_in(state.rng, state.step), lax.axis_index("data")',
+        "jax.random.fold_in(state.rng, state.step), 0",
         "data parallelism's dropout keys are shared: every device draws the same masks",
-        ("tests/test_dropout.py::test_dropout_is_on_and_every_device_draws_its_own_masks[shardmap_dp]",),
+        (f"{DROPOUT}[shardmap_dp]",),
     ),
     Bug(
         "common.py",
@@ -205,8 +208,8 @@ BUGS = [
         "pipeline.py",
         "checkpoints = common.Checkpoints(config, to_saved, from_saved)",
         "checkpoints = common.Checkpoints(config)",
-        "the pipeline saves and restores its own stacked layout, not the checkpoints' one: another script's "
-        "checkpoint is read into the wrong layout",
+        "the pipeline saves and restores its own stacked layout, not the checkpoints' one: "
+        "another script's checkpoint is read into the wrong layout",
         ("tests/test_checkpoints.py::test_another_script_resumes",),
     ),
     Bug(
@@ -218,10 +221,11 @@ BUGS = [
     ),
     Bug(
         "pipeline.py",
-        'rng = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), lax.axis_index("data"))',
-        "rng = jax.random.fold_in(state.rng, state.step)",
-        "the pipeline's dropout keys are shared by the data shards: their devices draw the same masks",
-        ("tests/test_dropout.py::test_dropout_is_on_and_every_device_draws_its_own_masks[pipeline_1f1b]",),
+        'jax.random.fold_in(state.rng, state.step), lax.axis_index("data")',
+        "jax.random.fold_in(state.rng, state.step), 0",
+        "the pipeline's dropout keys are shared by the data shards: their devices draw the same "
+        "masks",
+        (f"{DROPOUT}[pipeline_1f1b]",),
     ),
     Bug(
         "common.py",
@@ -236,9 +240,12 @@ BUGS = [
 def copy_project(folder: Path):
     """The files git tracks (and the ones it does not ignore), as a clean clone has them."""
     listed = subprocess.run(
-        ["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True,
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
         check=True,
-    ).stdout.split()  # fmt: skip
+    ).stdout.split()
     for name in listed:
         source = ROOT / name
         if source.is_file():
@@ -247,12 +254,27 @@ def copy_project(folder: Path):
 
 
 def run_tests(folder: Path, tests: tuple, timeout: int) -> tuple:
-    """(pytest's exit status, the first failed test or None, how it failed, seconds, the output's end)."""
+    """(pytest's exit status, the first failed test or None, how it failed, seconds, the output's
+    end)."""
     start = time.perf_counter()
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-m", "not full", *tests],
-        cwd=folder, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-x",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-m",
+            "not full",
+            *tests,
+        ],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     seconds = time.perf_counter() - start
     failed = re.search(r"^(?:FAILED|ERROR) (\S+)", done.stdout, re.MULTILINE)
     # How: an assertion of the tests, or an error JAX raised (check_vma, shapes, ...) on the way.
@@ -273,11 +295,21 @@ def table(results) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", type=int, nargs="*", help="the bugs to try, by number (default: all)")
-    parser.add_argument("--no-clean", action="store_true", help="skip the run of the tests on the unchanged code")
-    parser.add_argument("--write", action="store_true", help="rewrite the table in docs/mutations.md")
-    parser.add_argument("--timeout", type=int, default=1800, help="seconds allowed for each bug's tests")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--only", type=int, nargs="*", help="the bugs to try, by number (default: all)"
+    )
+    parser.add_argument(
+        "--no-clean", action="store_true", help="skip the run of the tests on the unchanged code"
+    )
+    parser.add_argument(
+        "--write", action="store_true", help="rewrite the table in docs/mutations.md"
+    )
+    parser.add_argument(
+        "--timeout", type=int, default=1800, help="seconds allowed for each bug's tests"
+    )
     args = parser.parse_args()
     chosen = [(i, bug) for i, bug in enumerate(BUGS, 1) if not args.only or i in args.only]
     for i, bug in chosen:  # every edit applies: its text is in the file once
@@ -290,7 +322,10 @@ def main():
         if not args.no_clean:
             tests = tuple(dict.fromkeys(test for _, bug in chosen for test in bug.tests))
             status, failed, _, seconds, out = run_tests(folder, tests, args.timeout * 2)
-            print(f"unchanged code: {len(tests)} test selections, exit {status}, {seconds:.0f}s", flush=True)
+            print(
+                f"unchanged code: {len(tests)} test selections, exit {status}, {seconds:.0f}s",
+                flush=True,
+            )
             if status != 0:
                 sys.exit(f"the tests fail on the unchanged code ({failed}):\n{out}")
         results = []
@@ -307,15 +342,20 @@ def main():
                 caught = f"pytest exit {status}" if failed is None else failed
             how = (how or "assertion") if caught else None
             results.append((i, bug, caught, how, seconds))
-            print(f"bug {i} ({bug.file}): {f'caught by {caught} ({how})' if caught else 'NOT CAUGHT'} in {seconds:.0f}s",
-                  flush=True)  # fmt: skip
+            print(
+                f"bug {i} ({bug.file}): "
+                f"{f'caught by {caught} ({how})' if caught else 'NOT CAUGHT'} in {seconds:.0f}s",
+                flush=True,
+            )
             if not caught:
                 print(out)
     text = table(results)
     print(text)
     if args.write:
         page = PAGE.read_text()
-        PAGE.write_text(MARKER.sub(lambda _: f"<!-- mutations:start -->\n{text}\n<!-- mutations:end -->", page))
+        PAGE.write_text(
+            MARKER.sub(lambda _: f"<!-- mutations:start -->\n{text}\n<!-- mutations:end -->", page)
+        )
         print(f"wrote {PAGE.relative_to(ROOT)}")
     sys.exit(0 if all(caught for _, _, caught, *_ in results) else 1)
 

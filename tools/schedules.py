@@ -39,31 +39,42 @@ def picture():
     out = ""
     for kind in pipeline.SCHEDULES:
         command = [sys.executable, "pipeline.py", "--show-schedule", "--schedule", kind]
-        command += ["--mesh", f"data=2,stage={STAGES}", "--layers", str(LAYERS), "--microbatches", str(MICROBATCHES)]
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=True)
+        command += [
+            "--mesh",
+            f"data=2,stage={STAGES}",
+            "--layers",
+            str(LAYERS),
+            "--microbatches",
+            str(MICROBATCHES),
+        ]
+        done = subprocess.run(
+            command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
+        )
         out += done.stdout
     return "<!-- schedule:start -->\n```\n" + out + "```\n<!-- schedule:end -->"
 
 
 def table():
     rows = [
-        f"With S = {STAGES} stages, M = {MICROBATCHES} micro-batches and V = {VIRTUAL} groups of layers per "
-        "stage (interleaved). In flight: from a micro-batch's forward to the last backward that reads its "
-        "input (interleaved: each group's forward and backward). `python pipeline.py --show-schedule "
-        "--schedule KIND` prints each.",
+        f"With S = {STAGES} stages, M = {MICROBATCHES} micro-batches and V = {VIRTUAL} groups of "
+        "layers per stage (interleaved). In flight: from a micro-batch's forward to the last "
+        "backward that reads its input (interleaved: each group's forward and backward). `python "
+        "pipeline.py --show-schedule --schedule KIND` prints each.",
         "",
-        "| `--schedule` | ticks | bubble: idle share of the ticks | formula | a tick | micro-batches in flight, "
-        "stage 0 … 3 |",
+        "| `--schedule` | ticks | bubble: idle share of the ticks | formula | a tick | "
+        "micro-batches in flight, stage 0 … 3 |",
         "|---|---|---|---|---|---|",
     ]
     for kind in pipeline.SCHEDULES:
-        schedule = pipeline.make_schedule(kind, STAGES, MICROBATCHES, VIRTUAL if kind == "interleaved" else 1)
+        schedule = pipeline.make_schedule(
+            kind, STAGES, MICROBATCHES, VIRTUAL if kind == "interleaved" else 1
+        )
         idle = (schedule[:, :, pipeline.OP] == pipeline.IDLE).mean()
         formula, work = FORMULAS[kind]
         held = " / ".join(map(str, pipeline.in_flight(schedule)))
         rows.append(
-            f"| {kind} | {schedule.shape[0]} | {idle:.1%} | {formula} = {(STAGES - 1) / (work + STAGES - 1):.1%} | "
-            f"{TICK[kind]} | {held} |"
+            f"| {kind} | {schedule.shape[0]} | {idle:.1%} | {formula} = "
+            f"{(STAGES - 1) / (work + STAGES - 1):.1%} | {TICK[kind]} | {held} |"
         )
     return "<!-- schedules:start -->\n" + "\n".join(rows) + "\n<!-- schedules:end -->"
 
@@ -74,13 +85,21 @@ BLOCKS = [
         re.compile(r"<!-- schedule:start -->.*?<!-- schedule:end -->", re.DOTALL),
         picture,
     ),
-    (ROOT / "README.md", re.compile(r"<!-- schedules:start -->.*?<!-- schedules:end -->", re.DOTALL), table),
+    (
+        ROOT / "README.md",
+        re.compile(r"<!-- schedules:start -->.*?<!-- schedules:end -->", re.DOTALL),
+        table,
+    ),
 ]
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="only check; exit 1 if a block is stale")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="only check; exit 1 if a block is stale"
+    )
     args = parser.parse_args()
     for page, marker, make in BLOCKS:
         text = page.read_text()
@@ -89,7 +108,10 @@ def main():
         block = make()
         fresh = marker.sub(lambda _, block=block: block, text)
         if args.check and fresh != text:
-            sys.exit(f"{page.name}'s pipeline schedules differ from pipeline.py: run python tools/schedules.py")
+            sys.exit(
+                f"{page.name}'s pipeline schedules differ from pipeline.py: run python "
+                "tools/schedules.py"
+            )
         if not args.check:
             page.write_text(fresh)
         print(f"{page.name}: the schedules {'match pipeline.py' if args.check else 'rewritten'}")

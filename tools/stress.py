@@ -43,11 +43,19 @@ def device_threads(pid: int) -> list:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--busy-per-core", type=int, default=4, help="busy loops per core")
-    parser.add_argument("--starve", action="store_true", help="run one emulated device's thread far behind")
-    parser.add_argument("--starve-nice", type=int, default=-10, help="niceness of the busy loops beside that thread")
-    parser.add_argument("--runs", type=int, default=1, help="start this many copies of the command at once")
+    parser.add_argument(
+        "--starve", action="store_true", help="run one emulated device's thread far behind"
+    )
+    parser.add_argument(
+        "--starve-nice", type=int, default=-10, help="niceness of the busy loops beside that thread"
+    )
+    parser.add_argument(
+        "--runs", type=int, default=1, help="start this many copies of the command at once"
+    )
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- the training command")
     args = parser.parse_args()
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -57,21 +65,32 @@ def main():
     busy = []
     start = time.monotonic()
     runs = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)]
-    runs += [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for _ in range(args.runs - 1)]  # fmt: skip
+    runs += [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(args.runs - 1)
+    ]
     run = runs[0]
     outputs = [[] for _ in runs]
     try:
         if args.starve:
             deadline = time.monotonic() + 120
-            while len(device_threads(run.pid)) < 2 and run.poll() is None and time.monotonic() < deadline:
+            while (
+                len(device_threads(run.pid)) < 2
+                and run.poll() is None
+                and time.monotonic() < deadline
+            ):
                 time.sleep(0.2)
             threads = device_threads(run.pid)
             last = cores[-1]
-            for tid in os.listdir(f"/proc/{run.pid}/task"):  # the whole run away from the last core...
+            # The whole run away from the last core...
+            for tid in os.listdir(f"/proc/{run.pid}/task"):
                 os.sched_setaffinity(int(tid), set(cores[:-1]) or {last})
-            os.sched_setaffinity(threads[0], {last})  # ...but one device thread, alone with busy loops
-            print(f"starving thread {threads[0]} of {len(threads)} device threads on core {last}", flush=True)
+            # ...but one device thread, alone with busy loops
+            os.sched_setaffinity(threads[0], {last})
+            print(
+                f"starving thread {threads[0]} of {len(threads)} device threads on core {last}",
+                flush=True,
+            )
         for core in cores:
             for _ in range(args.busy_per_core):
                 loop = subprocess.Popen(BUSY)
@@ -82,9 +101,13 @@ def main():
                     except PermissionError:
                         pass
                 busy.append(loop)
-        print(f"{len(busy)} busy loops on {len(cores)} cores; {len(runs)} x: {' '.join(command)}", flush=True)
+        print(
+            f"{len(busy)} busy loops on {len(cores)} cores; {len(runs)} x: {' '.join(command)}",
+            flush=True,
+        )
 
-        def read(i):  # as it comes, so that a run stopped from outside still shows (the first run's)
+        # As it comes, so that a run stopped from outside still shows (the first run's)
+        def read(i):
             for line in runs[i].stdout:
                 if i == 0:
                     print(line, end="", flush=True)
@@ -106,11 +129,11 @@ def main():
     for i, (each, lines) in enumerate(zip(runs, outputs, strict=True)):
         steps = [line for line in lines if line.startswith("step ")]
         print(
-            f"run {i}: exit status {each.returncode} after {time.monotonic() - start:.0f}s; "
-            f"last: {steps[-1] if steps else 'no step'}; "
-            f"XLA 'may be stuck' warnings: {sum('may be stuck' in line for line in lines)}, "
-            f"aborts: {sum('Termination timeout' in line for line in lines)}, "
-            f"stalls: {sum('no progress for' in line for line in lines)}"
+            f"run {i}: exit status {each.returncode} after {time.monotonic() - start:.0f}s; last: "
+            f"{steps[-1] if steps else 'no step'}; XLA 'may be stuck' warnings: "
+            f"{sum('may be stuck' in line for line in lines)}, aborts: "
+            f"{sum('Termination timeout' in line for line in lines)}, stalls: "
+            f"{sum('no progress for' in line for line in lines)}"
         )
     sys.exit(max(each.returncode for each in runs))
 

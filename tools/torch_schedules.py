@@ -5,9 +5,8 @@ group of layers, which micro-batch) that pipeline.stage_order gives and the orde
 schedule computes for its rank (its idle steps left out) must be the same list. PyTorch is not
 a requirement of this project; in a virtual environment of its own:
 
-  python3 -m venv /tmp/torch && /tmp/torch/bin/pip install torch numpy jax flax optax orbax-checkpoint
-  /tmp/torch/bin/python tools/torch_schedules.py
-"""
+  python3 -m venv /tmp/torch && /tmp/torch/bin/pip install torch numpy jax flax optax
+  orbax-checkpoint /tmp/torch/bin/python tools/torch_schedules.py"""
 
 import os
 import sys
@@ -24,12 +23,19 @@ def torch_order(stages, virtual, microbatches, rank):
     object with only the attributes that method reads (no process group, no model)."""
     rounds = max(1, microbatches // stages)
     schedule = types.SimpleNamespace(
-        pp_group_size=stages, n_local_stages=virtual, _n_microbatches=microbatches,
-        number_of_rounds=rounds, microbatches_per_round=microbatches // rounds,
-    )  # fmt: skip
+        pp_group_size=stages,
+        n_local_stages=virtual,
+        _n_microbatches=microbatches,
+        number_of_rounds=rounds,
+        microbatches_per_round=microbatches // rounds,
+    )
     actions = ScheduleInterleaved1F1B._calculate_single_rank_operations(schedule, rank)
     forward = _ComputationType.FORWARD
-    return [("F" if a.computation_type == forward else "B", a.stage_index, a.microbatch_index) for a in actions if a]
+    return [
+        ("F" if a.computation_type == forward else "B", a.stage_index, a.microbatch_index)
+        for a in actions
+        if a
+    ]
 
 
 def main():
@@ -44,9 +50,17 @@ def main():
                         ("F" if op == FORWARD else "B", v * stages + s, m)
                         for op, v, m in stage_order("interleaved", stages, microbatches, s, virtual)
                     ]
-                    assert ours == torch_order(stages, virtual, microbatches, s), (stages, virtual, microbatches, s)
+                    assert ours == torch_order(stages, virtual, microbatches, s), (
+                        stages,
+                        virtual,
+                        microbatches,
+                        s,
+                    )
                     checked += 1
-    print(f"interleaved: the same order as PyTorch's ScheduleInterleaved1F1B on all {checked} stages checked")
+    print(
+        f"interleaved: the same order as PyTorch's ScheduleInterleaved1F1B on all {checked} stages "
+        "checked"
+    )
 
 
 if __name__ == "__main__":

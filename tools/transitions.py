@@ -33,7 +33,9 @@ def definitions(path: Path, names: list) -> tuple:
     found = {}
     for node in ast.parse(source).body:
         targets = (
-            [node.name] if hasattr(node, "name") else [t.id for t in getattr(node, "targets", []) if hasattr(t, "id")]
+            [node.name]
+            if hasattr(node, "name")
+            else [t.id for t in getattr(node, "targets", []) if hasattr(t, "id")]
         )
         for name in targets:
             start = min([d.lineno for d in getattr(node, "decorator_list", [])] + [node.lineno])
@@ -48,22 +50,33 @@ def excerpt(match) -> str:
     new, missing_new = definitions(ROOT / after, names)
     both_missing = set(missing_old) & set(missing_new)
     if both_missing:
-        raise SystemExit(f"{PAGE.name}: neither {before} nor {after} defines {', '.join(sorted(both_missing))}")
+        raise SystemExit(
+            f"{PAGE.name}: neither {before} nor {after} defines {', '.join(sorted(both_missing))}"
+        )
     diff = difflib.unified_diff(old.splitlines(), new.splitlines(), before, after, lineterm="", n=2)
     return (
-        f"<!-- diff {before} {after}: {' '.join(names)} -->\n```diff\n" + "\n".join(diff) + "\n```\n<!-- end diff -->"
+        f"<!-- diff {before} {after}: {' '.join(names)} -->\n```diff\n"
+        + "\n".join(diff)
+        + "\n```\n<!-- end diff -->"
     )
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="only check; exit 1 if an excerpt is stale")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--check", action="store_true", help="only check; exit 1 if an excerpt is stale"
+    )
     args = parser.parse_args()
     readme = PAGE.read_text()
     fresh = MARKER.sub(excerpt, readme)
     if args.check:
         if fresh != readme:
-            sys.exit(f"{PAGE}'s transition excerpts differ from the scripts: run python tools/transitions.py")
+            sys.exit(
+                f"{PAGE}'s transition excerpts differ from the scripts: run python "
+                "tools/transitions.py"
+            )
         print(f"{PAGE.name}: {len(MARKER.findall(readme))} transition excerpts match the scripts")
     else:
         PAGE.write_text(fresh)
