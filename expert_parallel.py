@@ -83,10 +83,9 @@ class Config(common.Config):
 
 def make_mesh(config):
     shape = config.mesh_axes()
-    # Auto axes: the compiler may place whatever the specs below leave unsaid.
-    return jax.make_mesh(
-        tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2
-    )
+    # JAX's default mesh, of Explicit axes: shard_map makes every axis manual inside, and asks
+    # only that the arrays going in are laid out as its in_specs say.
+    return jax.make_mesh(tuple(shape.values()), tuple(shape))
 
 
 BATCH_SPEC = P(("data", "expert"))  # rows split over every device

@@ -86,10 +86,9 @@ class Config(common.Config):
 def make_mesh(config):
     # ('data',) for FSDP; ('replica', 'data') for HSDP, each group of 'data' devices one replica.
     shape = {axis: size for axis, size in config.mesh_axes().items() if axis == "data" or size > 1}
-    # Auto axes: the compiler may place whatever the specs below leave unsaid.
-    return jax.make_mesh(
-        tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * len(shape)
-    )
+    # JAX's default mesh, of Explicit axes: shard_map makes every axis manual inside, and asks
+    # only that the arrays going in are laid out as its in_specs say.
+    return jax.make_mesh(tuple(shape.values()), tuple(shape))
 
 
 def batch_spec(mesh):

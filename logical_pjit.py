@@ -145,7 +145,8 @@ class Config(common.Config):
 
 def make_mesh(config):
     shape = config.mesh_axes()
-    # Auto axes: the compiler may place whatever the specs below leave unsaid.
+    # Auto axes, on purpose: the compiler places whatever the specs below leave unsaid, which is
+    # this script's lesson. (JAX's default is Explicit axes, the shardings part of the types.)
     return jax.make_mesh(
         tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2
     )

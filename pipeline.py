@@ -144,7 +144,9 @@ class Config(common.Config):
 
 def make_mesh(config):
     shape = config.mesh_axes()
-    # Auto axes: the compiler may place whatever the specs below leave unsaid.
+    # Auto axes, not JAX's default Explicit ones: to_saved and from_saved (below) slice the
+    # stacked blocks along 'stage' outside shard_map, where Explicit axes would refuse to guess
+    # each slice's sharding (they ask for an out_sharding); under Auto the compiler places them.
     return jax.make_mesh(
         tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2
     )

@@ -14,6 +14,7 @@ documentation) is tested in tests/, one file per concern; tests/harness.py runs 
 import functools
 import json
 import math
+import os
 import re
 import typing
 
@@ -222,11 +223,27 @@ def compare(
         f"(largest |difference| {abs_diff:.1e} of the parameter's largest; {left_out:.2%} of "
         "elements ill-conditioned, left out)"
     )
+    record_parity(name, flags, (loss_diff, norm_diff, param_diff, abs_diff), rtol, what)
     assert loss_diff <= rtol[0] and norm_diff <= rtol[1] and param_diff <= rtol[2]
     assert left_out <= ILL_CONDITIONED_SHARE and abs_diff <= (largest or LARGEST_DIFFERENCE)
     if routing:
         compare_routing(label, result.router, ref.router)
     check_real(name, flags, result)
+
+
+def record_parity(name, flags, measured, bounds, what):
+    """For tools/parity.py, which writes docs/parity.md from what the tests measure: with
+    PARITY_RECORD set, one JSON line per comparison appended to that file (one per test worker):
+    the loss's, gradient norm's and parameters' relative differences, and the largest element's."""
+    path = os.environ.get("PARITY_RECORD")
+    if not path:
+        return
+    test = os.environ["PYTEST_CURRENT_TEST"].split("::")[-1].split("[")[0].split(" ")[0]
+    record = {"test": test, "strategy": name, "flags": flags, "measured": measured}
+    record.update(bounds=bounds, against=what, experts=bool(model_flags(name).get("experts")))
+    record.update(order=list(STRATEGIES).index(name))
+    with open(f"{path}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}", "a") as file:
+        file.write(json.dumps(record, default=float) + "\n")
 
 
 def compare_routing(name, mine, ref):
@@ -412,12 +429,17 @@ def test_context_parallel_matches_on_eight():
 # tie to within bfloat16's rounding may go to the other one. Measured the same way
 # (expert_parallel on both meshes): 6.6e-5, 1.9e-3, 8.4e-2 and 0.28; the reference with
 # --microbatches 2 6.6e-5, 2.5e-3, 9.0e-2 and 0.28, and float32 1.1e-4, 4.3e-3, 0.15 and 0.48.
+# Through every other strategy (the parity matrix, docs/parity.md) the mixture of experts moves
+# further where its experts' matmuls are split over 'model' (logical_tp and logical_fsdp_tp:
+# 5.6e-5, 8.8e-3, 0.17 and 0.64) and on the interleaved pipeline's 4 layers (gradient norm
+# 1.0e-2): the bounds are about 1.5 times those, still far below a run that never updated a
+# parameter (1.0) or a gradient off by a constant factor.
 # And it is bfloat16: the gradient norm is at least 3.5e-4 from float32's (pipeline interleaved;
 # the MoE 4.6e-3), where two float32 runs agree to 1e-6: BF16_FROM_FLOAT32 is between.
 BF16 = {"dtype": "bfloat16", "steps": 5}
 BF16_RTOL = (5e-5, 6e-3, 6e-2)  # loss, gradient norm, parameters (against their update)
-BF16_MOE_RTOL = (3e-4, 1e-2, 0.2)
-BF16_LARGEST, BF16_MOE_LARGEST = 0.15, 0.6  # any element, of its parameter's largest value
+BF16_MOE_RTOL = (3e-4, 1.5e-2, 0.25)
+BF16_LARGEST, BF16_MOE_LARGEST = 0.15, 0.9  # any element, of its parameter's largest value
 BF16_FROM_FLOAT32 = 1e-4
 
 
@@ -428,18 +450,37 @@ def test_bfloat16_matches(name):
     the rounding, and which of them wins may differ (the losses still agree). It is bfloat16:
     the compiled step holds bfloat16 values, and the run is as far from float32 as bfloat16's
     rounding puts it (were --dtype ignored, both sides would run in float32 and agree to 1e-6)."""
-    flags = {**BF16, **model_flags(name)}
-    ref, result = reference(**flags), run(name, **BF16)
+    bfloat16_matches(name, run(name, **BF16), {})
+
+
+# The other models of the parity matrix (docs/parity.md) in bfloat16, through every script and
+# preset that trains any model: the mixture of experts and tests/llama.py.
+OTHER_MODELS = {"moe": MOE, "llama": {"model": "tests.llama"}}
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("model", OTHER_MODELS)
+@pytest.mark.parametrize("name", DENSE)
+def test_bfloat16_matches_for_the_other_models(name, model, monkeypatch):
+    monkeypatch.setattr(pjit_tp, "PARAM_SPECS", LLAMA_SPECS + pjit_tp.PARAM_SPECS)
+    flags = OTHER_MODELS[model]
+    bfloat16_matches(name, run_uncached(name, **BF16, **flags), flags)
+
+
+def bfloat16_matches(name, result, flags):
+    flags = {**BF16, **model_flags(name), **flags}
+    ref = reference(**flags)
     moe = bool(flags.get("experts"))
     rtol, largest = (BF16_MOE_RTOL, BF16_MOE_LARGEST) if moe else (BF16_RTOL, BF16_LARGEST)
-    compare(name, result, ref, BF16, rtol, routing=False, against_update=True, largest=largest)
+    run_flags = {key: value for key, value in flags.items() if key not in model_flags(name)}
+    compare(name, result, ref, run_flags, rtol, routing=False, against_update=True, largest=largest)
     # The parameters stay float32
     assert jax.tree.leaves(result.state.params)[0].dtype == jnp.float32
     assert "bf16[" in result.compiled.as_text()
     # float32's first 5 steps: those of the 20-step reference (the warmup's learning rates do not
     # depend on --steps).
-    float32 = reference(**model_flags(name)).grad_norms[: BF16["steps"]]
-    off = relative(result.grad_norms, float32)
+    float32 = reference(**{key: value for key, value in flags.items() if key not in BF16})
+    off = relative(result.grad_norms, float32.grad_norms[: BF16["steps"]])
     print(f"{name} --dtype bfloat16: gradient norm {off:.1e} from float32's")
     assert off >= BF16_FROM_FLOAT32
 
@@ -1033,7 +1074,7 @@ def test_ring_attention_in_bfloat16_is_as_accurate_as_jax():
     both compute the scores and the softmax in float32. (The reference is float32: its own error,
     about 1e-7, is nothing beside bfloat16's, about 1e-3.)"""
     length, devices = 1024, 8
-    mesh = jax.make_mesh((devices,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh((devices,), ("context",))
     order = context_parallel.balanced_order(length, devices)
     back = np.argsort(order)
     q, k, v, cotangent = (

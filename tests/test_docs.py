@@ -200,3 +200,34 @@ def test_the_mutation_table_is_the_catalogues():
         (i, bug.file, bug.what) for i, bug in enumerate(mutations.BUGS, 1)
     ]
     assert len(rows) >= 15 and "not caught" not in text
+
+
+def test_the_parity_matrix_is_the_tests():
+    """docs/parity.md has a row for every strategy and model the tests train, with the bounds
+    the tests hold them to, and every figure within its bound (tools/parity.py --write measures
+    them: about 15 minutes, not a test)."""
+    import test_equivalence as eq
+
+    text = (ROOT / "docs" / "parity.md").read_text()
+    rows = re.findall(r"^\| `([\w-]+)` \| ([^|]+) \| (.+) \|$", text, re.MULTILINE)
+    names = {"GPT": "gpt", "GPT, 8 experts": "moe", "tests/llama.py": "llama"}
+    found = [(strategy, names[model.strip()]) for strategy, model, _ in rows]
+    expected = [
+        (strategy, model)
+        for strategy in eq.STRATEGIES
+        for model in (["moe"] if eq.model_flags(strategy).get("experts") else names.values())
+    ]
+    assert found == expected
+    for (strategy, model), (*_, figures) in zip(found, rows, strict=True):
+        cells = [cell.strip() for cell in figures.split("|")]
+        bf16 = eq.BF16_MOE_RTOL if model == "moe" else eq.BF16_RTOL
+        for measured, bounds, tested in (
+            (cells[0:3], cells[3], (eq.RTOL,) * 3),
+            (cells[4:7], cells[7], bf16),
+        ):
+            assert bounds == " / ".join(f"{x:g}" for x in tested), (strategy, model)
+            assert all(float(x) <= bound for x, bound in zip(measured, tested, strict=True)), (
+                strategy,
+                model,
+                measured,
+            )
