@@ -1074,7 +1074,8 @@ def test_ring_attention_in_bfloat16_is_as_accurate_as_jax():
     both compute the scores and the softmax in float32. (The reference is float32: its own error,
     about 1e-7, is nothing beside bfloat16's, about 1e-3.)"""
     length, devices = 1024, 8
-    mesh = jax.make_mesh((devices,), ("context",))
+    # Auto axes: shard_map places the arrays, made on one device, as its in_specs say
+    mesh = jax.make_mesh((devices,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
     order = context_parallel.balanced_order(length, devices)
     back = np.argsort(order)
     q, k, v, cotangent = (

@@ -553,7 +553,10 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
 
     config = common.Config(**{**SMALL, "checkpoint_dir": str(tmp_path), "checkpoint_every": 1})
     state = run("shardmap_dp").state
-    broken = state.replace(params=jax.tree.map(lambda x: x.at[0].set(jnp.inf), state.params))
+    # Under the script's mesh of Explicit axes: outside it, JAX 0.10 puts an eager scatter's
+    # Python scalar on one device and refuses to mix it with the state's 8.
+    with jax.set_mesh(jax.tree.leaves(state.params)[0].sharding.mesh):
+        broken = state.replace(params=jax.tree.map(lambda x: x.at[0].set(jnp.inf), state.params))
     log = common.StepLosses(common.Watchdog(0), config.layers)
     log.values = [2.5]  # the finite loss of the step that made the state
     checkpoints = common.Checkpoints(config)
@@ -631,9 +634,10 @@ def test_a_non_finite_checkpoint_is_set_aside(tmp_path, capsys):
     first = interrupted("shardmap_dp", tmp_path)  # checkpoints 10 and 20, then 20 forgotten
     config = common.Config(**{**SMALL, "checkpoint_dir": str(tmp_path)})
     checkpoints = common.Checkpoints(config)
-    broken = first.state.replace(
-        params=jax.tree.map(lambda x: x.at[0].set(jnp.nan), first.state.params)
-    )
+    with jax.set_mesh(jax.tree.leaves(first.state.params)[0].sharding.mesh):  # as above
+        broken = first.state.replace(
+            params=jax.tree.map(lambda x: x.at[0].set(jnp.nan), first.state.params)
+        )
     checkpoints.checkpointer.save_async(20, broken, force=True).result()
     checkpoints.close()
     capsys.readouterr()
