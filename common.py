@@ -572,6 +572,7 @@ class ExpertDense(nn.Module):
     features: int
     names: tuple  # the logical names of one expert's kernel
     scale: float = 1.0
+    dot_general: Callable | None = None  # as nn.Dense's: lax.dot_general unless one is given
 
     @nn.compact
     def __call__(self, x):
@@ -584,9 +585,11 @@ class ExpertDense(nn.Module):
         )
         bias = self.param("bias", _zeros(("expert", self.names[-1])), (experts, self.features))
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.config.dtype)
-        return jnp.einsum("e...d,edf->e...f", x, kernel) + bias.reshape(
-            bias.shape[0], *[1] * (x.ndim - 2), -1
+        # Each expert's x [..., in] times its kernel [in, features]: the experts' axis a batch axis.
+        y = (self.dot_general or jax.lax.dot_general)(
+            x, kernel, (((x.ndim - 1,), (1,)), ((0,), (0,)))
         )
+        return y + bias.reshape(bias.shape[0], *[1] * (x.ndim - 2), -1)
 
 
 def places_in_queue(choices):

@@ -27,7 +27,8 @@ Run:
   python logical_pjit.py --rules fsdp --mesh data=8,model=1 --steps 2000   # a GPU/TPU host
   python logical_pjit.py --distributed   # every host of a TPU pod slice (README)
 
-Read before: pjit_tp.py. Read next: MaxText, which scales this layout to real models.
+Read before: pjit_tp.py. Read next: explicit_sharding.py, these presets on JAX's default mesh
+(Explicit axes, the layout in the arrays' types); MaxText, which scales them to real models.
 """
 
 import dataclasses
@@ -146,7 +147,8 @@ class Config(common.Config):
 def make_mesh(config):
     shape = config.mesh_axes()
     # Auto axes, on purpose: the compiler places whatever the specs below leave unsaid, which is
-    # this script's lesson. (JAX's default is Explicit axes, the shardings part of the types.)
+    # this script's lesson. (JAX's default is Explicit axes, the shardings part of the types:
+    # explicit_sharding.py.)
     return jax.make_mesh(
         tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2
     )

@@ -28,7 +28,8 @@ Run:
   python pjit_tp.py --mesh data=1,model=8 --steps 2000   # a GPU or TPU host
   python pjit_tp.py --distributed        # every host of a TPU pod slice (README)
 
-Read before: fsdp.py. Read next: logical_pjit.py, which states the same layout as rules.
+Read before: fsdp.py. Read next: logical_pjit.py, which states the same layout as rules, and
+explicit_sharding.py, which keeps JAX's default mesh (Explicit axes) and writes it in the types.
 """
 
 import dataclasses
@@ -81,7 +82,8 @@ class Config(common.Config):
 def make_mesh(config):
     shape = config.mesh_axes()
     # Auto axes, on purpose: the compiler places whatever the specs below leave unsaid, which is
-    # this script's lesson. (JAX's default is Explicit axes, the shardings part of the types.)
+    # this script's lesson. (JAX's default is Explicit axes, the shardings part of the types:
+    # explicit_sharding.py.)
     return jax.make_mesh(
         tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2
     )

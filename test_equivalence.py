@@ -32,6 +32,7 @@ import context_parallel
 import expert_parallel
 import fsdp
 import logical_pjit
+import explicit_sharding
 import pipeline
 import pjit_tp
 import pmap_dp
@@ -171,14 +172,16 @@ def compare(
     routing=True,
     against_update=False,
     largest=None,
+    real=True,
 ):
     """Per-step losses and gradient norms, and final parameters, against the reference, all
     relative: the difference over the reference's value, and for each parameter
     ||mine - ref|| / ||ref|| over its elements whose Adam steps were well conditioned (see
     CONDITIONED); `against_update`: over the training's own update of it, ||ref - initial||.
     Every element, the ill-conditioned too, within `largest` of the parameter's largest value.
-    Then that the run was the strategy it claims (check_real): its layout and collectives.
-    `name` is a strategy (tests/harness.py's STRATEGIES) and `flags` what the run added to it."""
+    Then that the run was the strategy it claims (check_real, unless `real` is False): its layout
+    and collectives. `name` is a strategy (tests/harness.py's STRATEGIES) and `flags` what the
+    run added to it."""
     flags = flags or {}
     label = " ".join([name, *as_flags(flags)])
     loss_diff, norm_diff = (
@@ -228,7 +231,8 @@ def compare(
     assert left_out <= ILL_CONDITIONED_SHARE and abs_diff <= (largest or LARGEST_DIFFERENCE)
     if routing:
         compare_routing(label, result.router, ref.router)
-    check_real(name, flags, result)
+    if real:
+        check_real(name, flags, result)
 
 
 def record_parity(name, flags, measured, bounds, what):
@@ -324,7 +328,10 @@ def test_microbatches_match(name):
 
 
 # The scripts that handle scanning
-@pytest.mark.parametrize("name", ["fsdp", "pjit_tp", "logical_fsdp_tp"])
+SCANNING = ["fsdp", "pjit_tp", "logical_fsdp_tp"]
+
+
+@pytest.mark.parametrize("name", matrix([*SCANNING, "explicit_fsdp_tp"], SCANNING))
 def test_scanned_layers_match(name):
     result = run(name, scan_layers=True)
     scanned = reference(scan_layers=True)
@@ -501,6 +508,7 @@ BATCH_AXES = {
     expert_parallel: ("data", "expert"),
 }
 # Collectives written in shard_map
+RULED = (logical_pjit, explicit_sharding)  # the scripts whose layout is rules on logical names
 BY_HAND = (pmap_dp, shardmap_dp, fsdp, pipeline, context_parallel, expert_parallel)
 
 
@@ -527,8 +535,8 @@ def stated_specs(module, config, state) -> dict:
     ]
     if module is pjit_tp:
         return {name: pjit_tp.state_spec(path, leaf) for name, path, leaf in paths}
-    if module is logical_pjit:
-        rules = logical_pjit.RULES[config.rules]
+    if module in RULED:
+        rules = module.RULES[config.rules]
         return {
             path: nn.logical_to_mesh_axes(box.names, rules)
             for path, box in common.logical_names(config)
@@ -644,7 +652,7 @@ def check_collectives(module, config, result, specs, mesh):
             )
         )
     ops = {op for op, *_ in found}
-    batch = BATCH_AXES.get(module) or logical_batch_axes(config)
+    batch = BATCH_AXES.get(module) or logical_batch_axes(module, config)
     batch = [axis for axis in batch if axis in mesh.axis_names and mesh.shape[axis] > 1]
     params = {
         jax.tree_util.keystr(path, simple=True, separator="/"): leaf
@@ -731,12 +739,12 @@ def check_collectives(module, config, result, specs, mesh):
             "all-to-all",
         }
     tensor_parallel = module is pjit_tp or (
-        module is logical_pjit and dict(logical_pjit.RULES[config.rules]).get("mlp")
+        module in RULED and dict(module.RULES[config.rules]).get("mlp")
     )
     # Megatron: per block, 2 forward and 2 backward at least
     if tensor_parallel and mesh.shape["model"] > 1:
         assert count("all-reduce", frozenset(device_groups(mesh, ["model"]))) >= 4 * layers
-    if module is logical_pjit:  # a parameter split over the batch's axes is gathered for use (FSDP)
+    if module in RULED:  # a parameter split over the batch's axes is gathered for use (FSDP)
         for path, spec in specs.items():
             gathered = [axis for axis in jax.tree.leaves(tuple(spec)) if axis in batch]
             if gathered:
@@ -744,8 +752,8 @@ def check_collectives(module, config, result, specs, mesh):
                 assert any(op == "all-gather" and covers(g, groups) for op, g, *_ in found), path
 
 
-def logical_batch_axes(config):
-    axes = dict(logical_pjit.RULES[config.rules])["batch"]
+def logical_batch_axes(module, config):
+    axes = dict(module.RULES[config.rules])["batch"]
     return (axes,) if isinstance(axes, str) else axes
 
 
@@ -1152,6 +1160,38 @@ def test_logical_rules_decide_the_layout(rules, fc1_shard, collective):
 
 
 # Each script with its default flags; with -m full, the pipeline's other schedules too.
+def test_one_layout_written_by_hand_matches():
+    """FSDP+TP by hand (tools/three_ways.py's manual_step: shard_map, Megatron's operators and
+    FSDP's gathers written out) trains what one device trains, in the layout logical_pjit.py's
+    fsdp_tp states, with the collectives that layout predicts and no other: per micro-batch an
+    all-gather over 'data' of each of the P parameters split over 'data' and a reduce-scatter of
+    its gradient; per block 2 all-reduces over 'model' forward (the partial sums after attn/out
+    and fc2) and 2 backward (the input gradients of qkv and fc1), plus 1 after the embedding
+    lookup and 1 of the head's input gradient: 4 x layers + 2; 1 all-gather over 'model' of the
+    logits. (The other two ways, logical_fsdp_tp and explicit_fsdp_tp, are strategies above.)"""
+    from tools import three_ways
+
+    config = logical_pjit.Config(**{**SMALL, "rules": "fsdp_tp"})
+    result = three_ways.main(config)
+    compare("manual_fsdp_tp", result, reference(), real=False)
+    check_layout(logical_pjit, config, result.state)
+    found = {}
+    for c in common.hlo_collectives(result.compiled.as_text()):
+        groups = replica_groups(c["line"])
+        axis = {frozenset(MODEL_GROUPS): "model", frozenset(DATA_GROUPS): "data"}.get(
+            frozenset(groups or ()), "all"
+        )
+        found[(c["op"], axis)] = found.get((c["op"], axis), 0) + c["runs"]
+    split = sum(
+        bool(three_ways.split_over(s, "data")) for s in three_ways.param_specs(config).values()
+    )
+    assert found.pop(("all-gather", "data")) == found.pop(("reduce-scatter", "data")) == split
+    assert found.pop(("all-reduce", "model")) == 4 * config.layers + 2
+    assert found.pop(("all-gather", "model")) == 1
+    # Left: the all-reduces of the replicated parameters' gradients, the norm and the metrics
+    assert {op for op, _ in found} == {"all-reduce"}, found
+
+
 SEVERAL = list(DEFAULTS.values()) + [
     "pipeline_gpipe",
     "pipeline_zero-bubble",

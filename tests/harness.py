@@ -22,6 +22,7 @@ import pytest
 import common
 import context_parallel
 import expert_parallel
+import explicit_sharding
 import fsdp
 import logical_pjit
 import pipeline
@@ -72,6 +73,7 @@ SCRIPTS = {
     "pipeline": pipeline,
     "context_parallel": context_parallel,
     "expert_parallel": expert_parallel,
+    "explicit_sharding": explicit_sharding,
 }
 MOE = {"experts": 8, "top_k": 2}  # the mixture of experts the tests train (--experts 8 --top-k 2)
 # A strategy is a script with its own flags: every script, each logical_pjit.py preset, HSDP
@@ -79,7 +81,7 @@ MOE = {"experts": 8, "top_k": 2}  # the mixture of experts the tests train (--ex
 STRATEGIES = {
     name: (module, {})
     for name, module in SCRIPTS.items()
-    if name not in ("logical_pjit", "pipeline", "expert_parallel")
+    if name not in ("logical_pjit", "pipeline", "expert_parallel", "explicit_sharding")
 }
 STRATEGIES["hsdp"] = (fsdp, {"mesh": "replica=2,data=4"})
 STRATEGIES.update(
@@ -90,6 +92,13 @@ STRATEGIES.update(
 )
 # Interleaved: 2 groups of layers per stage need 4 layers on 2 stages ('auto': data=4,stage=2).
 STRATEGIES["pipeline_interleaved"][1]["layers"] = 4
+# explicit_sharding.py's presets: the layouts of logical_pjit.py's, on Explicit axes.
+STRATEGIES.update(
+    {
+        f"explicit_{rules}": (explicit_sharding, {"rules": rules})
+        for rules in explicit_sharding.RULES
+    }
+)
 # expert_parallel.py trains a mixture of experts only: data=2,expert=4 ('auto') and data=1,expert=8.
 STRATEGIES["expert_parallel"] = (expert_parallel, MOE)
 STRATEGIES["expert_parallel_8"] = (expert_parallel, {**MOE, "mesh": "data=1,expert=8"})
@@ -97,6 +106,7 @@ STRATEGIES["expert_parallel_8"] = (expert_parallel, {**MOE, "mesh": "data=1,expe
 DEFAULTS = {name: name for name in SCRIPTS} | {
     "logical_pjit": "logical_fsdp_tp",
     "pipeline": "pipeline_1f1b",
+    "explicit_sharding": "explicit_fsdp_tp",
 }
 
 

@@ -65,6 +65,8 @@ PAIRS = [
     ("pmap_dp", "fsdp"),  # one copy per device -> one copy split over all
     ("fsdp", "pipeline_1f1b"),  # blocks one by one -> stacked by stage
     ("expert_parallel", "pjit_tp"),  # a mixture of experts: experts split, then their hidden units
+    ("explicit_fsdp_tp", "pipeline_1f1b"),  # a state whose shardings are in its types -> stages
+    ("fsdp", "explicit_tp"),  # and back: boxed shards -> Explicit types
     ("fsdp", "logical_fsdp_tp"),
     ("pipeline_1f1b", "logical_fsdp_tp"),
     ("context_parallel", "pjit_tp"),
@@ -72,7 +74,7 @@ PAIRS = [
 ]
 
 
-@pytest.mark.parametrize("writer, reader", matrix(PAIRS, PAIRS[:3]))
+@pytest.mark.parametrize("writer, reader", matrix(PAIRS, PAIRS[:4]))
 def test_another_script_resumes(writer, reader, tmp_path):
     interrupted(writer, tmp_path)
     flags = model_flags(writer)

@@ -42,7 +42,8 @@ jax.monitoring.register_event_duration_secs_listener(
         LOWERINGS.append(event) if event.endswith("jaxpr_to_mlir_module_duration") else None
     )
 )
-MESH_SCRIPTS = ("pjit_tp", "logical_pjit")
+MESH_SCRIPTS = ("pjit_tp", "logical_pjit", "explicit_sharding")
+RULED = ("logical_pjit", "explicit_sharding")  # a layout as rules on logical names (--rules)
 ALL_MESH_SCRIPTS = (
     "fsdp",
     "pjit_tp",
@@ -50,6 +51,7 @@ ALL_MESH_SCRIPTS = (
     "pipeline",
     "context_parallel",
     "expert_parallel",
+    "explicit_sharding",
 )
 # (flags, the scripts they apply to, what the one-line error must say). Every message names the
 # flag and gives a valid example ("e.g."), except argparse's own for unknown flags and values.
@@ -80,12 +82,12 @@ BAD_INPUTS = [
     ),
     (
         ["--heads", "6", "--d-model", "96", "--mesh", "data=2,model=4"],
-        ("logical_pjit",),
+        RULED,
         "splits 'heads' 4 ways",
     ),
     (
         ["--d-model", "36", "--rules", "fsdp"],
-        ("logical_pjit",),
+        RULED,
         "splits 'embed' 8 ways under --rules fsdp",
     ),
     (["--d-model", "100", "--heads", "8"], SCRIPTS, "--heads must divide --d-model 100"),
@@ -194,7 +196,7 @@ BAD_INPUTS = [
     (["--min-shard-size", "-1"], ("fsdp",), "--min-shard-size must be zero or more"),
     (["--keep-gathered", "--remat"], ("fsdp",), "--keep-gathered keeps the gathered parameters"),
     (["--dtype", "float16"], SCRIPTS, "argument --dtype: invalid choice: 'float16'"),
-    (["--rules", "zero3"], ("logical_pjit",), "argument --rules: invalid choice: 'zero3'"),
+    (["--rules", "zero3"], RULED, "argument --rules: invalid choice: 'zero3'"),
     (["--dataset", "no_such_dataset"], ("shardmap_dp",), "--dataset no_such_dataset is neither"),
     (
         ["--metrics-file", "FILE/metrics.jsonl"],

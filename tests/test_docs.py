@@ -10,14 +10,19 @@ import pytest
 import pipeline
 from tests.harness import ROOT, SCRIPTS, matrix
 
-# Read after shardmap_dp.py, beside the chain
-BRANCHES = ["pipeline", "context_parallel", "expert_parallel"]
+# Read beside the chain, after the script each names
+BRANCHES = {
+    "pipeline": "shardmap_dp",
+    "context_parallel": "shardmap_dp",
+    "expert_parallel": "shardmap_dp",
+    "explicit_sharding": "pjit_tp",
+}
 
 
 def test_readme_transitions_match_the_scripts():
     """docs/transitions.md's diff excerpts, one per neighbouring pair (the chain from pmap_dp.py
-    to logical_pjit.py, and the branches from shardmap_dp.py), are what tools/transitions.py
-    makes from the scripts today; README.md has a paragraph for each."""
+    to logical_pjit.py, and the branches from shardmap_dp.py and pjit_tp.py), are what
+    tools/transitions.py makes from the scripts today; README.md has a paragraph for each."""
     done = subprocess.run(
         [sys.executable, ROOT / "tools" / "transitions.py", "--check"],
         capture_output=True,
@@ -27,7 +32,7 @@ def test_readme_transitions_match_the_scripts():
     pairs = re.findall(r"<!-- diff (\S+) (\S+):", (ROOT / "docs" / "transitions.md").read_text())
     chain = [name for name in SCRIPTS if name not in BRANCHES]
     expected = list(zip(chain[:-1], chain[1:], strict=True)) + [
-        ("shardmap_dp", name) for name in BRANCHES
+        (parent, name) for name, parent in BRANCHES.items()
     ]
     assert pairs == [(f"{a}.py", f"{b}.py") for a, b in expected]
     readme = (ROOT / "README.md").read_text()
@@ -231,3 +236,16 @@ def test_the_parity_matrix_is_the_tests():
                 model,
                 measured,
             )
+
+
+def test_the_three_ways_table_is_the_code():
+    """docs/three_ways.md has a row for each of the three ways, and its count of the lines that
+    state the layout is the code's today (tools/three_ways.py --write measures the rest: about a
+    minute, not a test)."""
+    from tools import three_ways
+
+    text = (ROOT / "docs" / "three_ways.md").read_text()
+    rows = re.findall(r"^\| (\w+) \| .* \| (\d+) \|$", text, re.MULTILINE)
+    assert [mode for mode, _ in rows] == list(three_ways.MODES)
+    for mode, lines in rows:
+        assert int(lines) == three_ways.code_lines(*three_ways.LAYOUT[mode]), mode

@@ -1,0 +1,333 @@
+"""The layout in the arrays' types: JAX's default Explicit mesh axes, and jax.jit.
+
+What is where: the devices form a ('data', 'model') mesh (--mesh, data=2,model=4 on 8
+devices) of Explicit axes, JAX's default: the sharding is part of every array's type, as its
+shape is (jax.typeof(x) prints float32[256@model,128]), and each operation gives its result a
+type from its inputs' types. The parameters are split by rules on the model's logical axis
+names (as in logical_pjit.py, so one table per preset trains any model); --rules picks one:
+  dp       the batch over all devices; everything else replicated (as shardmap_dp.py)
+  fsdp     the batch and every parameter's 'embed' axis over all devices (as fsdp.py)
+  hsdp     fsdp within groups along 'model', replicated across 'data'
+  tp       the batch over 'data'; heads, MLP units and the vocabulary over 'model' (as pjit_tp.py)
+  fsdp_tp  tp, plus every parameter's 'embed' axis over 'data' (2-D sharding)
+A step: the single-device step, and jit partitions it from the types of the state and the
+batch: no in_shardings or out_shardings. Every change of layout is written where it happens,
+in the model's `wrap` (the contract's hook, so any model gets it): reshard gathers each
+piece's parameters for use (FSDP), and out_sharding says where the row-parallel matmuls'
+partial sums and the embedding lookups land, the two places explicit mode will not guess.
+Collectives per step, by preset: dp, an all-reduce of the gradients; fsdp, all-gathers of the
+parameters (reshard) and reductions of their gradients (its transpose); tp, per block an
+all-reduce over 'model' of attn/out's and fc2's partial sums in the forward pass and two in the
+backward pass; fsdp_tp, both; with tiny ones of the loss's sums, the norm and the metrics.
+
+What changes from pjit_tp.py: the mesh keeps JAX's default axes, so no sharding is left to the
+compiler: where pjit_tp.py's jit takes shardings and places the rest itself, here the arrays
+carry them, and the layout changes the compiler would have chosen unseen are written in the
+model's wrap (the collectives are the same: docs/three_ways.md). The layout is stated by rules
+on logical names (logical_pjit.py's presets). For when to pick which mode: docs/three_ways.md.
+
+Run:
+  python explicit_sharding.py            # a laptop: 8 emulated CPU devices, data=2,model=4
+  python explicit_sharding.py --rules fsdp --mesh data=8,model=1 --steps 2000   # a GPU/TPU host
+  python explicit_sharding.py --distributed   # every host of a TPU pod slice (README)
+
+Read before: pjit_tp.py and logical_pjit.py. Read next: the JAX docs' "Explicit sharding" and
+"Autodiff and sharding" pages.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import common
+
+import flax.linen as nn
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from jax.sharding import reshard
+
+# Logical axis name -> mesh axis (or axes). A parameter axis whose name has no rule is not
+# split, if UNSPLIT names it; any other name stops the run (exit 2), so that a new model's
+# parameter is never replicated unseen: give it a rule, or add its name to UNSPLIT.
+UNSPLIT = ("vocab", "pos", "embed", "heads", "kv_heads", "mlp", "norm", "layers", "expert")
+RULES = {
+    "dp": (("batch", ("data", "model")),),
+    "fsdp": (("batch", ("data", "model")), ("embed", ("data", "model"))),
+    "hsdp": (("batch", ("data", "model")), ("embed", "model")),
+    "tp": (
+        ("batch", "data"),
+        ("heads", "model"),
+        ("mlp", "model"),
+        ("vocab", "model"),
+        ("act_heads", "model"),
+        ("act_mlp", "model"),
+        ("act_vocab", "model"),
+    ),
+    "fsdp_tp": (
+        ("batch", "data"),
+        ("embed", "data"),
+        ("heads", "model"),
+        ("mlp", "model"),
+        ("vocab", "model"),
+        ("act_heads", "model"),
+        ("act_mlp", "model"),
+        ("act_vocab", "model"),
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(common.Config):
+    mesh: str = common.arg(
+        "auto", "mesh axis sizes, e.g. data=2,model=4; 'auto' gives that on 8 devices"
+    )
+    rules: str = common.arg("fsdp_tp", "logical-to-mesh rules preset", choices=tuple(RULES))
+
+    def mesh_axes(self):
+        return common.mesh_shape(self.mesh, ("data", "model"), self.auto_mesh())
+
+    def auto_mesh(self):
+        """'auto': up to 4 devices on 'model' (at most half of them, and a divisor of --heads),
+        the rest on 'data'."""
+        n = jax.device_count()
+        model = max(
+            m for m in (1, 2, 4) if n % m == 0 and self.heads % m == 0 and m <= max(1, n // 2)
+        )
+        return {"data": n // model, "model": model}
+
+    def axis_size(self, logical_name):
+        """How many ways the rules split a logical axis on this mesh."""
+        shape = self.mesh_axes()
+        axes = dict(RULES[self.rules]).get(logical_name, ())
+        return functools.reduce(
+            lambda n, axis: n * shape[axis], (axes,) if isinstance(axes, str) else axes, 1
+        )
+
+    def batch_shards(self):
+        return self.axis_size("batch")
+
+    def validate(self):
+        common.require(self.rules in RULES, "rules", f"must be one of {', '.join(RULES)}")
+        super().validate()
+        common.require(
+            self.heads % self.axis_size("heads") == 0,
+            "mesh",
+            f"splits 'heads' {self.axis_size('heads')} ways under --rules {self.rules}, which does "
+            f"not divide --heads {self.heads}; {self.example()}",
+        )
+        ruled = dict(RULES[self.rules])
+        for path, box in common.logical_names(self):
+            for name, size in zip(box.names, box.value.shape, strict=True):
+                common.require(
+                    name is None or name in ruled or name in UNSPLIT,
+                    "rules",
+                    f"{self.rules} has no rule for the axis '{name}' of {path} {box.value.shape}, "
+                    "and UNSPLIT does not name it: add a rule for it to RULES, or add it to "
+                    "UNSPLIT to keep it whole",
+                )
+                common.require(
+                    size % self.axis_size(name) == 0,
+                    "mesh",
+                    f"splits '{name}' {self.axis_size(name)} ways under --rules {self.rules}, "
+                    f"which does not divide its size {size} in {path}; {self.example()}",
+                )
+
+    def example(self):
+        """A valid --heads, or else --d-model, for these rules and this mesh."""
+        split = self.axis_size("heads")
+        if self.heads % split:
+            heads = [h for h in range(split, self.d_model + 1, split) if self.d_model % h == 0]
+            return (
+                f"e.g. --heads {heads[0]}"
+                if heads
+                else f"e.g. --heads {split} --d-model {split * 32}"
+            )
+        for d_model in range(self.d_model, 16 * self.d_model + 1):
+            if d_model % self.heads == 0 and d_model % self.axis_size("embed") == 0:
+                return f"e.g. --d-model {d_model}"
+
+
+def make_mesh(config):
+    shape = config.mesh_axes()
+    # Explicit axes, JAX's default: every array's type says how it is split (jax.typeof(x) prints
+    # float32[256@model,128]), and an operation whose result's split is not implied refuses to
+    # guess. jax.set_mesh (main) makes this mesh the one such types refer to.
+    return jax.make_mesh(tuple(shape.values()), tuple(shape))
+
+
+def axes_of(spec_entry):
+    """The mesh axes one entry of a PartitionSpec names: None, 'data' or ('data', 'model')."""
+    return (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry or ())
+
+
+def gather_for_use(params, batch_axes):
+    """FSDP's all-gather, written as a change of type: just before a piece runs, each of its
+    parameters loses its split over the axes that split the batch (a tensor-parallel split over
+    'model' stays). The transpose of reshard is reshard back: the gradient arrives split again,
+    summed over the batch's devices (a reduce-scatter, or an all-reduce and a slice)."""
+
+    def gather(param):
+        spec = jax.typeof(param).sharding.spec
+        kept = [tuple(a for a in axes_of(s) if a not in batch_axes) or None for s in spec]
+        return reshard(param, P(*kept))
+
+    return jax.tree.map(gather, params)
+
+
+def say_where_sums_land(next_fun, args, kwargs, context):
+    """The three places where explicit mode will not guess a layout, stated (a Flax interceptor:
+    it sees every layer's call in the piece, and passes the others on untouched).
+
+    A lookup into an embedding table (a gather) states its result's layout: rows split as the
+    tokens are, features as the table's (explicit mode asks for it even when the table is whole).
+    A matmul whose contracted axis is split on both sides, over the same mesh axes (the
+    row-parallel layers, attn/out and fc2: each device holds part of the sum): out_sharding says
+    the partial sums are added up (an all-reduce over 'model') into a result split as the input's
+    other axes and the kernel's outputs are. nn.Dense and the layers made like it (a
+    `dot_general` attribute, as common.ExpertDense) take their matmul with that out_sharding.
+    A dropout mask for a split activation is drawn split the same way (dropout, below)."""
+    module = context.module
+    if context.method_name == "__call__" and isinstance(module, nn.Embed):
+        (tokens,) = args
+        (table,) = module.promote_dtype(module.embedding, dtype=module.dtype, inexact=False)
+        features = jax.typeof(table).sharding.spec[-1]
+        return table.at[tokens].get(out_sharding=P(*jax.typeof(tokens).sharding.spec, features))
+    if context.method_name == "__call__" and isinstance(module, nn.Dropout):
+        return dropout(module, *args, **kwargs)
+    if context.method_name == "__call__" and getattr(module, "dot_general", "") is None:
+        (x,) = args
+        kernel = module.variables["params"]["kernel"]
+        x_spec, kernel_spec = jax.typeof(x).sharding.spec, jax.typeof(kernel).sharding.spec
+        contracted = axes_of(kernel_spec[-2])  # the kernel's input axis: [..., in, out]
+        if contracted and contracted == axes_of(x_spec[-1]):
+            out = P(*x_spec[:-1], kernel_spec[-1])
+            matmul = functools.partial(jax.lax.dot_general, out_sharding=out)
+            return module.clone(parent=None, dot_general=matmul).apply(
+                {"params": module.variables["params"]}, x
+            )
+    return next_fun(*args, **kwargs)
+
+
+def dropout(module, x, deterministic=None, rng=None):
+    """nn.Dropout, its mask drawn split as x is (out_sharding): the same bits as on one device,
+    each device drawing only its own part of them."""
+    if nn.merge_param("deterministic", module.deterministic, deterministic) or not module.rate:
+        return x
+    if module.rate == 1.0:  # as Flax: no division by zero, so no NaN in the gradient
+        return jnp.zeros_like(x)
+    keep = 1.0 - module.rate
+    shape, spec = list(x.shape), list(jax.typeof(x).sharding.spec)
+    for dim in module.broadcast_dims:  # one mask for every position along these
+        shape[dim], spec[dim] = 1, None
+    rng = module.make_rng(module.rng_collection) if rng is None else rng
+    mask = jax.random.bernoulli(rng, keep, shape, out_sharding=P(*spec))
+    return jax.lax.select(jnp.broadcast_to(mask, x.shape), x / keep, jnp.zeros_like(x))
+
+
+@functools.cache  # one per layout: the state holds the model, and an equal state an equal one
+def explicit_layout(batch_axes):
+    """The `wrap` of the model contract (common.Model): each piece gathers its parameters for
+    use, and states the layouts explicit mode asks for, whatever the model's layers."""
+
+    def wrap(piece):
+        gathered = functools.partial(gather_for_use, batch_axes=batch_axes)
+
+        class Explicit(nn.map_variables(piece, "params", trans_in_fn=gathered)):
+            def __call__(self, x, deterministic):
+                with nn.intercept_methods(say_where_sums_land):
+                    return super().__call__(x, deterministic)
+
+        return Explicit
+
+    return wrap
+
+
+def state_shardings(abstract_state, mesh, rules):
+    # The boxes' logical names become PartitionSpecs of mesh axes through the rules.
+    return nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_state), mesh, rules)
+
+
+def init_state(config, mesh, shapes_only=False):
+    batch_axes = axes_of(dict(RULES[config.rules])["batch"])
+    model = common.make_model(config, wrap=explicit_layout(batch_axes))
+    create = functools.partial(common.create_state, config, model)
+    # Keep the logical boxes in the abstract state to read their names, not in the real one.
+    boxed = jax.eval_shape(functools.partial(create, hold=lambda boxed: boxed))
+    # Each device computes only its own shards: the full model never exists on one device.
+    create = jax.jit(create, out_shardings=state_shardings(boxed, mesh, RULES[config.rules]))
+    # The state itself, or only its shapes and shardings (nothing allocated) to compile for.
+    return create.eval_shape() if shapes_only else create()
+
+
+def train_step(state, batch, config):
+    """The single-device step, unchanged: jit partitions it over the mesh."""
+    rng = jax.random.fold_in(state.rng, state.step)
+    grads, metrics = common.accumulate_gradients(state, batch, rng, config.microbatches)
+    # The global norm, for clipping: jit adds up its shards' partial sums
+    norm = optax.tree.norm(grads)
+    state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
+    return state, {**metrics, "grad_norm": norm}
+
+
+def eval_step(state, batch):
+    """Summed held-out losses of the batch: jit partitions it like the train step."""
+    return common.eval_metrics(state, batch)
+
+
+def batch_sharding(mesh, rules):
+    return NamedSharding(mesh, nn.logical_to_mesh_axes(("batch", None), rules))
+
+
+def device_batch(batch, mesh, rules):
+    # This process's rows become one global array, split as the rules split 'batch'.
+    return jax.make_array_from_process_local_data(batch_sharding(mesh, rules), batch)
+
+
+def main(config):
+    common.setup(config)
+    mesh = make_mesh(config)
+    dataset = common.load_dataset(config)
+    state_shapes = init_state(config, mesh, shapes_only=True)
+    rules = RULES[config.rules]
+    # No in_shardings or out_shardings: the state's and the batch's types carry their shardings,
+    # and the step's results have the types its operations give: the new state the old one's.
+    step_fn = jax.jit(functools.partial(train_step, config=config), donate_argnums=0)
+    eval_fn = jax.jit(eval_step)
+    # Compiled for the shapes of the state and of a batch, before either exists: a step too big
+    # for the devices stops here, with one line, before anything is allocated.
+    batch_shapes = common.batch_shape(config, batch_sharding(mesh, rules))
+    # The mesh the types name, while tracing. (No rules: the model's logical constraints on its
+    # activations stay inert; each activation's type follows from its inputs'.)
+    with jax.set_mesh(mesh):
+        compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
+    state = init_state(config, mesh)
+    checkpoints = common.Checkpoints(config)
+    state, start = checkpoints.restore(state)
+    eval_data = [device_batch(b, mesh, rules) for b in common.eval_batches(dataset, config)]
+    report = common.cost_report(config, state, compiled, compile_seconds)
+    layout = (
+        f"Explicit mesh data={mesh.shape['data']},model={mesh.shape['model']}, rules {config.rules}"
+    )
+    log = common.Logger(config, dataset, layout, report, state.params, start)
+    try:
+        # Made ahead, in a thread
+        for step, rows in common.train_batches(dataset, config, start, log):
+            batch = device_batch(rows, mesh, rules)
+            # The program compiled above, which the report describes.
+            state, metrics = compiled(state, batch)
+            log.log(step, metrics)
+            if log.eval_due(step):
+                with jax.set_mesh(mesh):  # traced here the first time
+                    log.eval(step, eval_fn, state, eval_data)
+            if checkpoints.save(step, state, log):  # Ctrl-C or SIGTERM: saved, stop
+                break
+    finally:
+        checkpoints.close()  # lets the saves still being written finish, whatever happened
+    return log.finish(state, compiled)  # the end-of-run report, and what the run made
+
+
+if __name__ == "__main__":
+    main(common.parse_config(Config, __doc__))
