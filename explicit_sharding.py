@@ -12,9 +12,10 @@ names (as in logical_pjit.py, so one table per preset trains any model); --rules
   fsdp_tp  tp, plus every parameter's 'embed' axis over 'data' (2-D sharding)
 A step: the single-device step, and jit partitions it from the types of the state and the
 batch: no in_shardings or out_shardings. Every change of layout is written where it happens,
-in the model's `wrap` (the contract's hook, so any model gets it): reshard gathers each
-piece's parameters for use (FSDP), and out_sharding says where the row-parallel matmuls'
-partial sums and the embedding lookups land, the two places explicit mode will not guess.
+in the model contract's hooks, so any model gets it: in `wrap`, reshard gathers each piece's
+parameters for use (FSDP), and out_sharding says where the row-parallel matmuls' partial sums,
+the embedding lookups and the dropout masks land, the places explicit mode will not guess; in
+`attend`, keys and values are laid out as the queries (grouped-query attention).
 Collectives per step, by preset: dp, an all-reduce of the gradients; fsdp, all-gathers of the
 parameters (reshard) and reductions of their gradients (its transpose); tp, per block an
 all-reduce over 'model' of attn/out's and fc2's partial sums in the forward pass and two in the
@@ -23,7 +24,7 @@ backward pass; fsdp_tp, both; with tiny ones of the loss's sums, the norm and th
 What changes from pjit_tp.py: the mesh keeps JAX's default axes, so no sharding is left to the
 compiler: where pjit_tp.py's jit takes shardings and places the rest itself, here the arrays
 carry them, and the layout changes the compiler would have chosen unseen are written in the
-model's wrap (the collectives are the same: docs/three_ways.md). The layout is stated by rules
+model's hooks (the collectives are the same: docs/three_ways.md). The layout is stated by rules
 on logical names (logical_pjit.py's presets). For when to pick which mode: docs/three_ways.md.
 
 Run:
@@ -227,7 +228,15 @@ def dropout(module, x, deterministic=None, rng=None):
     return jax.lax.select(jnp.broadcast_to(mask, x.shape), x / keep, jnp.zeros_like(x))
 
 
-@functools.cache  # one per layout: the state holds the model, and an equal state an equal one
+def attend_as_queries(q, k, v, attend):
+    """Attention with its keys and values laid out as its queries are. Grouped-query attention
+    makes them from fewer heads than the queries (tests/llama.py), which the 'model' split need
+    not divide, and repeats them: explicit mode will not pair split query heads with key heads
+    laid out otherwise, where auto mode moves them unseen."""
+    spec = jax.typeof(q).sharding.spec
+    return attend(q, reshard(k, spec), reshard(v, spec))
+
+
 def explicit_layout(batch_axes):
     """The `wrap` of the model contract (common.Model): each piece gathers its parameters for
     use, and states the layouts explicit mode asks for, whatever the model's layers."""
@@ -250,10 +259,19 @@ def state_shardings(abstract_state, mesh, rules):
     return nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_state), mesh, rules)
 
 
-def init_state(config, mesh, shapes_only=False):
+@functools.cache  # one per config: the state holds the model, and an equal state an equal one
+def explicit_model(config):
+    """The model with the contract's two hooks this layout needs: `wrap` and `attend`."""
+    attend = functools.partial(
+        common.causal_attention, implementation=common.attention_kernel(config)
+    )
+    hooks = common.Hooks(attend=functools.partial(attend_as_queries, attend=attend))
     batch_axes = axes_of(dict(RULES[config.rules])["batch"])
-    model = common.make_model(config, wrap=explicit_layout(batch_axes))
-    create = functools.partial(common.create_state, config, model)
+    return common.make_model(config, wrap=explicit_layout(batch_axes), hooks=hooks)
+
+
+def init_state(config, mesh, shapes_only=False):
+    create = functools.partial(common.create_state, config, explicit_model(config))
     # Keep the logical boxes in the abstract state to read their names, not in the real one.
     boxed = jax.eval_shape(functools.partial(create, hold=lambda boxed: boxed))
     # Each device computes only its own shards: the full model never exists on one device.

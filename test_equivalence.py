@@ -268,7 +268,14 @@ def compare_routing(name, mine, ref):
     assert aux_diff <= RTOL
 
 
-@pytest.mark.parametrize("name", STRATEGIES)
+# Every strategy in every `pytest`, but for explicit_sharding.py's presets other than its
+# default: the same layouts as logical_pjit.py's, which run here (the rest with -m full).
+EVERY_LAYOUT = [name for name in STRATEGIES if not name.startswith("explicit_")] + [
+    DEFAULTS["explicit_sharding"]
+]
+
+
+@pytest.mark.parametrize("name", matrix(list(STRATEGIES), EVERY_LAYOUT))
 def test_matches_single_device_reference(name):
     compare(name, run(name), reference(**model_flags(name)))
     assert run(name).losses[-1] < run(name).losses[0] - 1  # and it learned something
