@@ -1082,9 +1082,14 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefa
         )
 
 
+_FROM_COMMAND_LINE = False
+
+
 def parse_config(config_class=Config, doc: str | None = None, argv: list | None = None) -> Config:
     """Build the command line from the Config fields and parse it. A flag argparse cannot read
     exits 2 here; main() checks the values (setup)."""
+    global _FROM_COMMAND_LINE
+    _FROM_COMMAND_LINE = argv is None  # a script run as a program, not main() called by code
     parser = _Parser(description=doc, formatter_class=_HelpFormatter)
     hints = typing.get_type_hints(config_class)
     for field in dataclasses.fields(config_class):
@@ -1118,6 +1123,13 @@ def model_pieces(name: str) -> Pieces:
     import importlib.util
 
     where = f"--model {name}"
+    require(
+        not os.path.isdir(name),
+        "model",
+        f"{name} is a folder: give a Python file in it (--model {os.path.join(name, 'model.py')}) "
+        "or an importable module (--model package.module)",
+    )
+    origin = name
     try:
         if name.endswith(".py"):
             require(
@@ -1131,13 +1143,26 @@ def model_pieces(name: str) -> Pieces:
             sys.modules.setdefault(spec.name, module)
             spec.loader.exec_module(module)
         else:
+            require(
+                re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name) is not None,
+                "model",
+                f"{name} is neither a Python file (.py) nor a module name (package.module); built "
+                f"in: {', '.join(MODELS)}",
+            )
+            found = importlib.util.find_spec(name.split(".")[0])
+            origin = getattr(found, "origin", None) or name
             module = importlib.import_module(name)
+    except ConfigError:
+        raise
     except ModuleNotFoundError as error:
-        if error.name and name.startswith(error.name):
+        # The model's own module is missing, or a module it imports (netx importing net)
+        if error.name == name or name.startswith(f"{error.name}."):
             raise ConfigError(
                 f"{where}: no such model, Python file or module; built in: {', '.join(MODELS)}"
             ) from None
-        raise
+        raise ConfigError(f"{where}: importing it failed: {_failure(error, origin)}") from None
+    except Exception as error:  # a syntax error, or anything the file raises as it is imported
+        raise ConfigError(f"{where}: importing it failed: {_failure(error, origin)}") from None
     missing = [
         piece for piece in Pieces._fields if not isinstance(getattr(module, piece, None), type)
     ]
@@ -1156,6 +1181,24 @@ def model_pieces(name: str) -> Pieces:
             f"{piece.__name__}(config, hooks) (common.py's model contract)",
         )
     return pieces
+
+
+def _failure(error: Exception, origin: str) -> str:
+    """An import's error in one line: where in the user's code (the deepest line of theirs, or
+    the syntax error's), what it is."""
+    if isinstance(error, SyntaxError):
+        place = f"{error.filename}, line {error.lineno}"
+    else:
+        frames = traceback.extract_tb(error.__traceback__)
+        theirs = [
+            f
+            for f in frames
+            if os.path.dirname(os.path.abspath(f.filename))
+            == os.path.dirname(os.path.abspath(origin))
+        ] or [f for f in frames if not f.filename.startswith("<")]
+        place = f"{theirs[-1].filename}, line {theirs[-1].lineno}" if theirs else origin
+    message = (error.msg if isinstance(error, SyntaxError) else str(error)).splitlines()
+    return f"{place}: {type(error).__name__}: {message[0] if message else ''}"
 
 
 def attention_kernel(config: Config) -> str:
@@ -1209,7 +1252,7 @@ def check_model(config: Config):
         # The random key is made inside eval_shape too: made outside, it would be computed
         # (compiled).
         out, variables = jax.eval_shape(
-            lambda x: piece(config).init_with_output(jax.random.key(0), x, True), x
+            lambda x: piece(config, PROBES).init_with_output(jax.random.key(0), x, True), x
         )
         for path, leaf in jax.tree_util.tree_leaves_with_path(
             variables.get("params", {}), is_leaf=_is_boxed
@@ -1226,15 +1269,31 @@ def check_model(config: Config):
                     f"{where} {name} has {len(leaf.value.shape)} axes but names {leaf.names}: one "
                     f"name per axis {contract}"
                 )
-        return out
+        return out, variables
 
-    x = build(pieces.Embed, tokens)
+    def calls(piece, variables, x):
+        """The hooks the piece calls, and whether it makes an arange along the sequence itself
+        (an iota [length] or [length, length] at this length and at one more: its own positions,
+        or its own causal mask)."""
+
+        def aranges(length):
+            shape = (x.shape[0], length, *x.shape[2:])
+            traced = jax.make_jaxpr(lambda v, x: piece(config, PROBES).apply(v, x, True))(
+                variables, jax.ShapeDtypeStruct(shape, x.dtype)
+            )
+            return any(s in ((length,), (length, length)) for s in _iota_shapes(traced.jaxpr))
+
+        called.clear()
+        own = aranges(x.shape[1]) and aranges(x.shape[1] + 1)
+        return set(called), own
+
+    x, embed_variables = build(pieces.Embed, tokens)
     if not (isinstance(x, jax.ShapeDtypeStruct) and x.ndim == 3 and x.shape[:2] == tokens.shape):
         raise ConfigError(
             f"{where} Embed returns {_shape_text(x)} for tokens {_shape_text(tokens)}; it must "
             f"return activations [batch, length, features] {contract}"
         )
-    out = build(pieces.Block, x)
+    out, block_variables = build(pieces.Block, x)
     sums = out[1] if isinstance(out, tuple) and len(out) == 2 else None
     if not (
         isinstance(out, tuple)
@@ -1251,13 +1310,65 @@ def check_model(config: Config):
             "return (activations of the same shape and dtype, None or a dict of float32 sums) "
             f"{contract}"
         )
-    logits = build(pieces.Head, x)
+    # Contract point 3: the hooks a strategy replaces must be where attention and positions are
+    embed_hooks, embed_own = calls(pieces.Embed, embed_variables, tokens)
+    block_hooks, block_own = calls(pieces.Block, block_variables, x)
+    if "attend" not in block_hooks:
+        raise ConfigError(
+            f"{where} Block never calls self.attend(q, k, v): attention must go through that "
+            "hook, which context_parallel.py replaces with ring attention (each device holds "
+            f"pieces of every sequence) {contract}"
+        )
+    for name, own in (("Embed", embed_own), ("Block", block_own)):
+        if own:
+            raise ConfigError(
+                f"{where} {name} makes its own token positions or causal mask (an arange along "
+                "the sequence): take positions from self.positions(length) and attend through "
+                "self.attend, the hooks context_parallel.py replaces, where each device holds "
+                f"pieces of every sequence {contract}"
+            )
+    logits, _ = build(pieces.Head, x)
     wanted = jax.ShapeDtypeStruct((*tokens.shape, config.vocab_size), jnp.float32)
     if _shape_text(logits) != _shape_text(wanted):
         raise ConfigError(
             f"{where} Head returns {_shape_text(logits)}; it must return float32 logits "
             f"{_shape_text(wanted)} (batch, length, --vocab-size) {contract}"
         )
+
+
+called = []  # the hooks the pieces called while check_model traced them
+
+
+def _probe(name, hook):
+    def probe(*args):
+        called.append(name)
+        return hook(*args)
+
+    return probe
+
+
+# check_model's hooks: each records its call. Positions come out of a cumulative sum and
+# attention returns the queries, so that no arange along the sequence is the hooks' own.
+PROBES = Hooks(
+    attend=_probe("attend", lambda q, k, v: q),
+    positions=_probe("positions", lambda length: jnp.cumsum(jnp.ones(length, jnp.int32)) - 1),
+    to_experts=_probe("to_experts", experts_here),
+    whole_sequence=_probe("whole_sequence", this_sequence),
+)
+
+
+def _iota_shapes(jaxpr) -> list:
+    """The shapes of every iota in a jaxpr and the jaxprs inside it."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "iota":
+            found.append(tuple(eqn.params["shape"]))
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, (tuple, list)) else [param]:
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
+                if hasattr(inner, "eqns"):
+                    found += _iota_shapes(inner)
+    return found
 
 
 def logical_names(config: Config) -> list:
@@ -2916,10 +3027,12 @@ class Logger:
             "devices": len(devices),
             "processes": jax.process_count(),
             "layout": layout,
+            "dtype": config.dtype,
         }
         self.print(
             f"{len(devices)} {devices[0].platform} devices in {jax.process_count()} process(es) | "
-            f"{layout} | {report['param_count'] / 1e6:.2f}M parameters\nbatch {config.batch_size} "
+            f"{layout} | {report['param_count'] / 1e6:.2f}M parameters, {config.dtype} compute\n"
+            f"batch {config.batch_size} "
             f"x {config.seq_len} tokens ({config.batch_size // config.batch_shards()} per device) "
             f"| {dataset.describe()}\ncompiled the train step in {report['compile_seconds']:.1f}s"
         )
@@ -3062,7 +3175,18 @@ class Logger:
                 "waiting for data"
             )
             self.print(report_lines(summary))
+        # A program whose run is complete: a SIGTERM from here on, while the summary is written
+        # or the program winds down (JAX's shutdown: about half a second), ends it with
+        # success once the summary is written, not with status -15.
+        finished = _FROM_COMMAND_LINE and threading.current_thread() is threading.main_thread()
+        heard = []
+        if finished:
+            signal.signal(signal.SIGTERM, lambda *_: heard.append(True))
         self.write({"summary": summary})
         if self.file:
             self.file.close()
+        if finished:
+            if heard:
+                os._exit(0)
+            signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
         return Result(losses, self.losses.grad_norms, state, summary, compiled, self.losses.router)

@@ -89,11 +89,15 @@ class Config(common.Config):
         return self.virtual_stages if self.schedule == "interleaved" else 1
 
     def mesh_axes(self):
-        n, groups = jax.device_count(), self.virtual()
+        # 'auto' even for flags that validate() refuses next (--virtual-stages 0, --layers 3)
+        n, groups = jax.device_count(), max(1, self.virtual())
         stage = max(
-            s
-            for s in (1, 2, 4)
-            if n % s == 0 and self.layers % (s * groups) == 0 and s <= max(1, n // 2)
+            (
+                s
+                for s in (1, 2, 4)
+                if n % s == 0 and self.layers % (s * groups) == 0 and s <= max(1, n // 2)
+            ),
+            default=1,
         )
         return common.mesh_shape(self.mesh, ("data", "stage"), {"data": n // stage, "stage": stage})
 
@@ -101,7 +105,7 @@ class Config(common.Config):
         return self.mesh_axes()["data"]
 
     def validate(self):
-        super().validate()
+        # The schedule's own flags first: the batch's checks below divide by what they make.
         common.require(
             self.schedule == "interleaved" or self.virtual_stages == 2,
             "virtual_stages",
@@ -120,6 +124,7 @@ class Config(common.Config):
             + (f" x {groups} groups" if groups > 1 else "")
             + f", e.g. --layers {stages * groups * max(1, self.layers // (stages * groups))}",
         )
+        super().validate()
         common.require(
             self.schedule != "interleaved" or self.microbatches % stages == 0,
             "microbatches",

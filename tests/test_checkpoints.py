@@ -667,3 +667,26 @@ def test_a_checkpoint_from_before_clipping_left_the_optimizer_resumes(tmp_path):
         checkpointer.save(10, old, custom_metadata=metadata.custom_metadata)
     resumed = run_uncached("shardmap_dp", checkpoint_dir=str(tmp_path / "old"), checkpoint_every=10)
     assert resumed.losses == first.losses[10:] and resumed.grad_norms == first.grad_norms[10:]
+
+
+def test_a_sigterm_after_the_summary_is_a_success(tmp_path):
+    """A run whose summary is written is complete: a SIGTERM while the program winds down
+    (about half a second of JAX's shutdown) ends it with status 0, so that a scheduler does not
+    count it killed (before: -15)."""
+    copy_alone("shardmap_dp", tmp_path)
+    process = subprocess.Popen(
+        [sys.executable, "shardmap_dp.py", *TINY, "--eval-every", "0", "--metrics-file", "m.jsonl"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics = tmp_path / "m.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and '"summary"' in metrics.read_text()):
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()
+        time.sleep(0.005)
+    process.send_signal(signal.SIGTERM)
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == 0, (process.returncode, err[-2000:])
+    assert "done: final loss" in out

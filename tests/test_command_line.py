@@ -123,6 +123,18 @@ BAD_INPUTS = [
         ("pipeline",),
         "--virtual-stages must be at least 2",
     ),
+    # The automatic mesh is worked out during the shared checks, even with --mesh given: it
+    # must survive what is refused next (before: ZeroDivisionError, max() of an empty sequence)
+    (
+        ["--schedule", "interleaved", "--virtual-stages", "0", "--mesh", "data=4,stage=2"],
+        ("pipeline",),
+        "--virtual-stages must be at least 2",
+    ),
+    (
+        ["--schedule", "interleaved", "--layers", "3"],
+        ("pipeline",),
+        "--layers 3 must split evenly over stage=1 x 2 groups, e.g. --layers 2",
+    ),
     (
         ["--virtual-stages", "3"],
         ("pipeline",),
@@ -614,3 +626,15 @@ def test_devices_far_behind_the_host_do_not_deadlock():
     )
     assert done.returncode == 0 and "done: 300 steps" in done.stdout, done.stderr[-2000:]
     assert f"PJRT_NPROC={max(os.cpu_count(), 8)}" in done.stdout
+
+
+def test_the_log_and_the_summary_say_which_dtype_ran(tmp_path, capsys):
+    """--dtype changes every number: the first line says it, and so does the summary."""
+    module = SCRIPTS["shardmap_dp"]
+    flags = [*TINY, "--dtype", "bfloat16", "--metrics-file", str(tmp_path / "m.jsonl")]
+    result = module.main(common.parse_config(module.Config, None, flags))
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.endswith("parameters, bfloat16 compute"), first
+    assert result.summary["dtype"] == "bfloat16"
+    written = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
+    assert written["summary"]["dtype"] == "bfloat16"

@@ -108,6 +108,16 @@ BREACHES = [
         ("return logits.astype(jnp.float32)", "return logits.astype(jnp.bfloat16)"),
         "Head returns bfloat16[2, 16, 256]",
     ),
+    # Half adapted: the pieces are Pieces, but attention and positions bypass the hooks (before:
+    # check_model passed, and context_parallel.py trained another model, exit 0)
+    (
+        ("self.attend(q, k, v)", "common.causal_attention(q, k, v)"),
+        "Block never calls self.attend(q, k, v): attention must go through that hook",
+    ),
+    (
+        ("positions = self.positions(x.shape[1])", "positions = jnp.arange(x.shape[1])"),
+        "Block makes its own token positions or causal mask",
+    ),
 ]
 
 
@@ -145,6 +155,52 @@ def test_an_unknown_model_is_one_line(model, message, tmp_path, monkeypatch, cap
             common.parse_config(SCRIPTS["shardmap_dp"].Config, None, [*TINY, "--model", model])
         )
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+# (files in the folder, --model, what the one-line error says): a model that fails to load
+BROKEN_FILES = [
+    (
+        {"syn.py": "import common\nclass Embed(common.Piece:\n    pass\n"},
+        "syn.py",
+        "syn.py, line 2: SyntaxError",
+    ),
+    (
+        {"boom.py": "import common\n\nraise RuntimeError('no GPU here')\n"},
+        "boom.py",
+        "boom.py, line 3: RuntimeError: no GPU here",
+    ),
+    # A module that imports a missing one: the model is found, its import is what fails
+    (
+        {"netx.py": "import net\n"},
+        "netx",
+        "netx.py, line 1: ModuleNotFoundError: No module named 'net'",
+    ),
+    ({"mdir/model.py": ""}, "./mdir", "--model ./mdir is a folder: give a Python file in it"),
+    ({}, "my-model", "--model my-model is neither a Python file (.py) nor a module name"),
+]
+
+
+@pytest.mark.parametrize(
+    "files, model, message", BROKEN_FILES, ids=[model for _, model, _ in BROKEN_FILES]
+)
+def test_a_model_that_fails_to_load_is_one_line(
+    files, model, message, tmp_path, monkeypatch, capsys
+):
+    """The file, the line and the error, in one line, exit 2, before anything is compiled
+    (before: a 22- to 33-line traceback and exit 1, a TypeError for a folder, and 'no such
+    model' for a model whose own import was missing)."""
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(SystemExit) as exit_info:
+        SCRIPTS["shardmap_dp"].main(
+            common.parse_config(SCRIPTS["shardmap_dp"].Config, None, [*TINY, "--model", model])
+        )
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err, err
 
 
 def test_logical_rules_refuse_an_axis_name_they_do_not_know(tmp_path, capsys):
