@@ -122,8 +122,9 @@ class TrainingConfig:
     )
     dataset: str = arg(
         "synthetic",
-        "'synthetic' (embedded, no download), a text file (input.txt, read as bytes) or a TFDS "
-        "text dataset, e.g. tiny_shakespeare",
+        "'synthetic' (embedded, no download), a text file (input.txt, read as bytes), a TFDS "
+        "text dataset (e.g. tiny_shakespeare), or your own: a Python file or module:function "
+        "whose function load(config) returns it (README: Your own model and data)",
     )
 
 
@@ -985,7 +986,7 @@ def check_flags(config: Config):
         f"{example('vocab_size')}",
     )
     require(
-        config.dataset == "synthetic" or config.vocab_size == BYTES,
+        config.dataset == "synthetic" or is_yours(config.dataset) or config.vocab_size == BYTES,
         "vocab_size",
         f"must be {BYTES} for text, which is read as bytes, e.g. --vocab-size {BYTES}",
     )
@@ -1119,50 +1120,7 @@ def model_pieces(name: str) -> Pieces:
     module (my_project.model) that defines Embed, Block and Head."""
     if name in MODELS:
         return MODELS[name]
-    import importlib
-    import importlib.util
-
-    where = f"--model {name}"
-    require(
-        not os.path.isdir(name),
-        "model",
-        f"{name} is a folder: give a Python file in it (--model {os.path.join(name, 'model.py')}) "
-        "or an importable module (--model package.module)",
-    )
-    origin = name
-    try:
-        if name.endswith(".py"):
-            require(
-                os.path.isfile(name),
-                "model",
-                f"{name} is not a file; give a Python file or module that defines Embed, Block and "
-                f"Head, or one of {', '.join(MODELS)}",
-            )
-            spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], name)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules.setdefault(spec.name, module)
-            spec.loader.exec_module(module)
-        else:
-            require(
-                re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name) is not None,
-                "model",
-                f"{name} is neither a Python file (.py) nor a module name (package.module); built "
-                f"in: {', '.join(MODELS)}",
-            )
-            found = importlib.util.find_spec(name.split(".")[0])
-            origin = getattr(found, "origin", None) or name
-            module = importlib.import_module(name)
-    except ConfigError:
-        raise
-    except ModuleNotFoundError as error:
-        # The model's own module is missing, or a module it imports (netx importing net)
-        if error.name == name or name.startswith(f"{error.name}."):
-            raise ConfigError(
-                f"{where}: no such model, Python file or module; built in: {', '.join(MODELS)}"
-            ) from None
-        raise ConfigError(f"{where}: importing it failed: {_failure(error, origin)}") from None
-    except Exception as error:  # a syntax error, or anything the file raises as it is imported
-        raise ConfigError(f"{where}: importing it failed: {_failure(error, origin)}") from None
+    module = import_yours(name, "model", f"built in: {', '.join(MODELS)}")
     missing = [
         piece for piece in Pieces._fields if not isinstance(getattr(module, piece, None), type)
     ]
@@ -1181,6 +1139,53 @@ def model_pieces(name: str) -> Pieces:
             f"{piece.__name__}(config, hooks) (common.py's model contract)",
         )
     return pieces
+
+
+def import_yours(name: str, flag: str, otherwise: str):
+    """The Python file (my_model.py) or importable module (my_project.model) a flag names, or
+    ConfigError in one line: what is wrong, and where in the user's code an import failed.
+    `otherwise`: what else the flag takes, for the messages."""
+    import importlib
+    import importlib.util
+
+    where = f"--{flag} {name}"
+    require(
+        not os.path.isdir(name),
+        flag,
+        f"{name} is a folder: give a Python file in it (--{flag} "
+        f"{os.path.join(name, flag + '.py')}) or an importable module (--{flag} package.module)",
+    )
+    origin = name
+    try:
+        if name.endswith(".py"):
+            require(
+                os.path.isfile(name),
+                flag,
+                f"{name} is not a file; give a Python file or module, or {otherwise}",
+            )
+            spec = importlib.util.spec_from_file_location(os.path.basename(name)[:-3], name)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules.setdefault(spec.name, module)
+            spec.loader.exec_module(module)
+            return module
+        require(
+            re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", name) is not None,
+            flag,
+            f"{name} is neither a Python file (.py) nor a module name (package.module); "
+            + otherwise,
+        )
+        found = importlib.util.find_spec(name.split(".")[0])
+        origin = getattr(found, "origin", None) or name
+        return importlib.import_module(name)
+    except ConfigError:
+        raise
+    except ModuleNotFoundError as error:
+        # The user's own module is missing, or a module it imports (netx importing net)
+        if error.name == name or name.startswith(f"{error.name}."):
+            raise ConfigError(f"{where}: no such Python file or module; {otherwise}") from None
+        raise ConfigError(f"{where}: importing it failed: {_failure(error, origin)}") from None
+    except Exception as error:  # a syntax error, or anything the file raises as it is imported
+        raise ConfigError(f"{where}: importing it failed: {_failure(error, origin)}") from None
 
 
 def _failure(error: Exception, origin: str) -> str:
@@ -1784,20 +1789,85 @@ def is_main_process() -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
+def is_yours(dataset: str) -> bool:
+    """--dataset names a loader of your own: a Python file, or module:function."""
+    return dataset.endswith(".py") or ":" in dataset
+
+
 def is_text_file(dataset: str) -> bool:
     return dataset.endswith(".txt") or os.sep in dataset or os.path.isfile(dataset)
 
 
-# Your own data plugs in here: an object with describe(), loss_floor (None if unknown) and
-# batch(step, start, stop, split), which returns rows [start, stop) of global batch `step` as
-# int32 tokens [rows, seq_len + 1], the same rows for the same arguments on any process.
+# A dataset is an object with describe(), loss_floor (None if unknown) and batch(step, start,
+# stop, split), which returns rows [start, stop) of global batch `step` as int32 tokens [rows,
+# seq_len + 1], the same rows for the same arguments on any process. Your own comes in as
+# --dataset my_data.py (or my_project.data:function): its function `load` (or the one named)
+# takes the config and returns one.
 @functools.cache  # one dataset per config: setup() opens it to check it, main() reads it
 def load_dataset(config: Config):
     if config.dataset == "synthetic":
         return SyntheticData(config.seed, config.seq_len, config.vocab_size)
+    if is_yours(config.dataset):
+        return your_dataset(config)
     if is_text_file(config.dataset):
         return TextFile(config)
     return TextData(config, _tfds_builder(config))
+
+
+def your_dataset(config: Config):
+    """--dataset my_data.py or my_project.data:function: the dataset your function makes from the
+    config, checked on one batch of each split (its rows' shape, dtype and tokens)."""
+    name, _, function = config.dataset.partition(":")
+    otherwise = "'synthetic', a text file or a TFDS dataset"
+    module = import_yours(name, "dataset", otherwise)
+    make = getattr(module, function or "load", None)
+    require(
+        callable(make),
+        "dataset",
+        f"{config.dataset}: {name} defines no function {function or 'load'}(config) returning "
+        "the dataset (README: Your own model and data)",
+    )
+    origin = getattr(module, "__file__", None) or name
+
+    def call(what, function, *args):  # the user's code: its failure in one line, theirs
+        try:
+            return function(*args)
+        except ConfigError:
+            raise
+        except Exception as error:
+            raise ConfigError(
+                f"--dataset {config.dataset}: {what} failed: {_failure(error, origin)}"
+            ) from None
+
+    dataset = call(f"{make.__name__}(config)", make, config)
+    for method in ("batch", "describe"):
+        require(
+            callable(getattr(dataset, method, None)),
+            "dataset",
+            f"{config.dataset}: what {make.__name__}(config) returns has no {method}(): a dataset "
+            "has batch(step, start, stop, split) and describe() (README: Your own model and data)",
+        )
+    rows = min(2, config.batch_size)
+    for split in SPLITS:
+        tokens = np.asarray(
+            call(f"batch(0, 0, {rows}, '{split}')", dataset.batch, 0, 0, rows, split)
+        )
+        wanted = (rows, config.seq_len + 1)
+        require(
+            tokens.shape == wanted and tokens.dtype == np.int32,
+            "dataset",
+            f"{config.dataset}: batch(0, 0, {rows}, '{split}') returns {tokens.dtype}"
+            f"{list(tokens.shape)}; it must return int32 tokens {list(wanted)} (rows, --seq-len "
+            "+ 1)",
+        )
+        require(
+            tokens.min() >= 0 and tokens.max() < config.vocab_size,
+            "dataset",
+            f"{config.dataset}: batch(0, 0, {rows}, '{split}') has tokens from {tokens.min()} to "
+            f"{tokens.max()}, outside 0 .. --vocab-size {config.vocab_size} - 1, e.g. --vocab-size "
+            f"{max(int(tokens.max()) + 1, 1)}",
+        )
+    return dataset
 
 
 class TextData:

@@ -112,16 +112,22 @@ class Config(common.Config):
             f"splits 'heads' {self.axis_size('heads')} ways under --rules {self.rules}, which does "
             f"not divide --heads {self.heads}; {self.example()}",
         )
-        ruled = dict(RULES[self.rules])
+        # Every axis name the rules and UNSPLIT do not know, at once (the first parameter of each)
+        ruled, unknown = dict(RULES[self.rules]), {}
+        for path, box in common.logical_names(self):
+            for name in set(box.names) - set(ruled) - set(UNSPLIT) - {None}:
+                unknown.setdefault(name, f"{path} {box.value.shape}")
+        common.require(
+            not unknown,
+            "rules",
+            f"{self.rules} has no rule for the axes "
+            + ", ".join(f"'{name}' (of {where})" for name, where in unknown.items())
+            + ", and UNSPLIT does not name them: add a rule for each to RULES (e.g. "
+            f'("{next(iter(unknown), "")}", "model")), or add them to UNSPLIT to keep them '
+            f"whole: {', '.join(map(repr, unknown))}",
+        )
         for path, box in common.logical_names(self):
             for name, size in zip(box.names, box.value.shape, strict=True):
-                common.require(
-                    name is None or name in ruled or name in UNSPLIT,
-                    "rules",
-                    f"{self.rules} has no rule for the axis '{name}' of {path} {box.value.shape}, "
-                    "and UNSPLIT does not name it: add a rule for it to RULES, or add it to "
-                    "UNSPLIT to keep it whole",
-                )
                 common.require(
                     size % self.axis_size(name) == 0,
                     "mesh",

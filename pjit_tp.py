@@ -75,7 +75,17 @@ class Config(common.Config):
             f"model={model} must divide --heads {self.heads}, e.g. --mesh "
             f"data={auto['data']},model={auto['model']}",
         )
-        # Every parameter in PARAM_SPECS
+        # Every parameter in PARAM_SPECS: all the ones missing named at once, with their entries
+        missing = uncovered(self)
+        names = ", ".join(f"{path} {shape}" for path, shape, _ in missing.values())
+        common.require(
+            not missing,
+            "model",
+            f"{self.model}: {names} {'are' if len(missing) > 1 else 'is'} in no entry of "
+            "pjit_tp.py's PARAM_SPECS; their logical names suggest these entries (P() "
+            "replicates): "
+            + " ".join(f'(r"{pattern}", {spec}),' for pattern, (*_, spec) in missing.items()),
+        )
         jax.tree_util.tree_map_with_path(state_spec, common.model_shapes(self))
 
 
@@ -104,6 +114,28 @@ PARAM_SPECS = (
     (r"embed/position/embedding|ln\w*/(scale|bias)|out/bias|fc2/bias|mlp/router/kernel", P()),
 )
 BATCH_SPEC = P("data")  # rows split over 'data'
+
+
+def uncovered(config):
+    """{pattern: (path, shape, entry)} for each parameter no entry of PARAM_SPECS covers, the
+    blocks' taken together (block_N), with the spec its logical names suggest: Megatron's, the
+    heads, MLP units and vocabulary over 'model' where they split evenly."""
+    model, found = config.mesh_axes()["model"], {}
+    for path, box in common.logical_names(config):
+        if not any(re.search(pattern, path) for pattern, _ in PARAM_SPECS):
+            pattern = re.escape(re.sub(r"^(block_\d+|blocks)/", "/", path)) + "$"
+            axes = [
+                "'model'" if name in MEGATRON and size % model == 0 else "None"
+                for name, size in zip(box.names, box.value.shape, strict=True)
+                if name != "layers"
+            ]
+            shape = tuple(box.value.shape)
+            entry = f"P({', '.join(axes)})" if "'model'" in axes else "P()"
+            found.setdefault(pattern, (re.sub(r"block_\d+", "block_N", path), shape, entry))
+    return found
+
+
+MEGATRON = ("heads", "kv_heads", "mlp", "vocab")  # the logical axes split over 'model'
 
 
 def state_spec(path, leaf):

@@ -302,6 +302,18 @@ LLAMA_SPECS = (
 )
 
 
+def test_pjit_tp_s_suggested_entries_train_a_new_model_and_match(monkeypatch):
+    """pjit_tp.py names every parameter its table misses, with the entries their logical names
+    suggest (tests/test_your_model.py checks the message); pasted, they train tests/llama.py as
+    one device does."""
+    llama = {"model": "tests.llama"}
+    missing = pjit_tp.uncovered(pjit_tp.Config(**{**SMALL, **llama}))
+    assert len(missing) == 9  # 7 per block, taken together, and the final norm
+    entries = tuple((pattern, eval(spec, {"P": P})) for pattern, (*_, spec) in missing.items())
+    monkeypatch.setattr(pjit_tp, "PARAM_SPECS", entries + pjit_tp.PARAM_SPECS)
+    compare("pjit_tp", run_uncached("pjit_tp", **llama), reference(**llama), llama)
+
+
 @pytest.mark.parametrize("name", matrix(DENSE, EVERY_SCRIPT))
 def test_a_model_the_scripts_do_not_know_matches(name, monkeypatch):
     """tests/llama.py (RMSNorm, rotary positions, SwiGLU, no biases, untied head, grouped-query
@@ -354,15 +366,23 @@ def test_remat_matches():
 
 
 # The logical presets take the norm as pjit_tp.py does (the compiler, from the shardings): one
-# of them stands for all; so does one of expert_parallel.py's meshes.
+# of them stands for all, as one explicit preset does (the others with -m full); so does one of
+# expert_parallel.py's meshes.
 CLIPPED = [
     name
     for name in STRATEGIES
     if name not in ("logical_dp", "logical_fsdp", "logical_hsdp", "logical_tp")
+    and name not in ("explicit_dp", "explicit_fsdp", "explicit_hsdp", "explicit_tp")
 ]
 
 
-@pytest.mark.parametrize("name", [name for name in CLIPPED if name != "expert_parallel_8"])
+@pytest.mark.parametrize(
+    "name",
+    matrix(
+        [name for name in STRATEGIES if name.startswith("explicit_") or name in CLIPPED],
+        [name for name in CLIPPED if name != "expert_parallel_8"],
+    ),
+)
 def test_clipping_matches(name):
     """Clipping by the global norm, with a threshold so low that it binds on every step: the
     norm is over the whole model, whatever piece of the gradient each device holds."""

@@ -13,6 +13,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 import common
+import shardmap_dp
 from tests.harness import DEFAULTS, SMALL, TINY, run, run_script
 
 
@@ -323,3 +324,78 @@ def test_preparing_without_tensorflow_says_what_to_install(tmp_path):
         len(error) == 1
         and 'preparing it needs TensorFlow: pip install "tensorflow-cpu==' in error[0]
     ), error
+
+
+# ----------------------------------------------------------------------------------------------
+# Your own data: a loader of your own (--dataset my_data.py or module:function)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def token_dir(tmp_path_factory):
+    """tokens.npy, as a tokenizer would write it: 50,000 ids of a 512-token vocabulary, each
+    mostly following from the one before (so that there is something to learn)."""
+    folder = tmp_path_factory.mktemp("tokens")
+    rng = np.random.default_rng(0)
+    tokens = np.zeros(50_000, np.int64)
+    for i in range(1, len(tokens)):
+        tokens[i] = (tokens[i - 1] * 7 + 3) % 512 if rng.random() < 0.9 else rng.integers(512)
+    np.save(folder / "tokens.npy", tokens.astype(np.uint16))
+    return str(folder)
+
+
+def test_scripts_train_on_your_own_loader(token_dir):
+    """tests/token_data.py, a loader as a user writes one, trains every way alike: two scripts
+    see the same batches (their losses agree as on the synthetic data) and learn."""
+    flags = dict(dataset="tests/token_data.py", data_dir=token_dir, vocab_size=512)
+    first, second = run("shardmap_dp", **flags), run("fsdp", **flags)
+    assert max(abs(a - b) / b for a, b in zip(first.losses, second.losses, strict=True)) < 1e-5
+    assert first.losses[-1] < first.losses[0] - 1
+    assert first.summary["loss_floor"] is None and "tokens.npy: 50,000 tokens" in str(
+        common.load_dataset(common.Config(**{**SMALL, **flags})).describe()
+    )
+
+
+def loader(batch):
+    """A loader whose dataset's batch() returns `batch`."""
+    return (
+        "import numpy as np\n\n\nclass D:\n    def describe(self):\n        return 'mine'\n\n"
+        f"    def batch(self, step, start, stop, split):\n        return {batch}\n\n\n"
+        "def load(config):\n    return D()\n"
+    )
+
+
+LOADERS = [  # (a loader's file, what the one-line error says)
+    ("def make(config):\n    pass\n", "defines no function load(config) returning the dataset"),
+    ("def load(config):\n    return 3\n", "what load(config) returns has no batch()"),
+    (
+        loader("np.zeros((stop - start, 4))"),
+        "returns float64[2, 4]; it must return int32 tokens [2, 17]",
+    ),
+    (
+        loader("np.full((stop - start, 17), 300, np.int32)"),
+        "tokens from 300 to 300, outside 0 .. --vocab-size 256 - 1, e.g. --vocab-size 301",
+    ),
+    (
+        "def load(config):\n    raise OSError('tokens.bin is missing')\n",
+        "load(config) failed: MY_DATA, line 2: OSError: tokens.bin is missing",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "source, message", LOADERS, ids=["no load", "no batch", "shape", "vocab", "raises"]
+)
+def test_a_loader_that_breaks_the_contract_is_one_line(
+    source, message, tmp_path, monkeypatch, capsys
+):
+    """Before anything is compiled: exit 2, one line saying what is wrong and where."""
+    (tmp_path / "my_data.py").write_text(source)
+    monkeypatch.chdir(tmp_path)
+    module = shardmap_dp
+    flags = [*TINY, "--dataset", "my_data.py"]
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(common.parse_config(module.Config, None, flags))
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert message.replace("MY_DATA", str(tmp_path / "my_data.py")) in err, err

@@ -51,9 +51,12 @@ def test_pjit_tp_trains_a_model_file_with_its_table_entries(tmp_path):
     """pjit_tp.py needs what its contract asks, the new parameters' entries in PARAM_SPECS
     (five lines, as test_equivalence.LLAMA_SPECS), and splits them as they say."""
     done = run_with_llama("pjit_tp", tmp_path)
-    assert done.returncode == 2 and "is in no entry of pjit_tp.py's PARAM_SPECS" in done.stderr, (
-        done.stderr
-    )
+    # Every one of them in one line (before: one per run, 11 runs), with the entries to paste
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "are in no entry of pjit_tp.py's PARAM_SPECS" in done.stderr, done.stderr
+    for name in ("attn_norm/scale", "q/kernel", "kv/kernel", "o/kernel", "gate/kernel"):
+        assert f"block_N/{name}" in done.stderr and f'(r"/{name}$", P(' in done.stderr
+    assert "head/norm/scale (32,)" in done.stderr and '(r"head/norm/scale$", P()),' in done.stderr
     script = (tmp_path / "pjit_tp.py").read_text()
     entries = (
         '    (r"/(q|gate|up)/kernel", P(None, "model")),\n'
@@ -143,7 +146,7 @@ def test_a_model_that_breaks_the_contract_is_one_line(change, message, tmp_path,
     [
         (
             "no_such_model",
-            "--model no_such_model: no such model, Python file or module; built in: gpt",
+            "--model no_such_model: no such Python file or module; built in: gpt",
         ),
         ("missing.py", "--model missing.py is not a file"),
     ],
@@ -205,8 +208,10 @@ def test_a_model_that_fails_to_load_is_one_line(
 
 def test_logical_rules_refuse_an_axis_name_they_do_not_know(tmp_path, capsys):
     """A parameter axis whose logical name no rule maps, and UNSPLIT does not name, is not
-    replicated unseen: exit 2, naming the axis, the parameter and the two ways out."""
-    (tmp_path / "kv.py").write_text(broken(('("embed", "kv_heads")', '("embed", "kv")')))
+    replicated unseen: exit 2, naming every such axis, a parameter of each and the two ways
+    out."""
+    kv = broken(('("embed", "kv_heads")', '("embed", "kv")'))
+    (tmp_path / "kv.py").write_text(kv.replace('("mlp", "embed")', '("ff", "embed")'))
     module = SCRIPTS["logical_pjit"]
     with pytest.raises(SystemExit) as exit_info:
         module.main(
@@ -215,11 +220,11 @@ def test_logical_rules_refuse_an_axis_name_they_do_not_know(tmp_path, capsys):
             )
         )
     err = capsys.readouterr().err
-    assert (
-        exit_info.value.code == 2
-        and "tp has no rule for the axis 'kv' of block_0/kv/kernel (32, 32)" in err
-    ), err
-    assert "add a rule for it to RULES, or add it to UNSPLIT" in err
+    # Both names in one line (before: one per run)
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "tp has no rule for the axes 'ff' (of block_0/down/kernel (80, 32))" in err, err
+    assert "'kv' (of block_0/kv/kernel (32, 32))" in err, err
+    assert "add a rule for each to RULES" in err and "UNSPLIT to keep them whole" in err, err
 
 
 # ----------------------------------------------------------------------------------------------
