@@ -32,6 +32,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -99,6 +100,11 @@ class TrainingConfig:
         "gpt",
         "the model: gpt, or a Python file or module of your own defining Embed, Block and Head",
     )
+    tie_embeddings: bool = arg(
+        False,
+        "the GPT's head reads the token embedding's table (GPT-2, Gemma): one parameter, its "
+        "gradient the sum of both uses (a model of yours says what it ties with TIED)",
+    )
     experts: int = arg(
         0,
         "mixture of experts: every block's MLP becomes this many expert MLPs and a router (0: "
@@ -146,14 +152,19 @@ class TrainingConfig:
 #   2. Every parameter is declared with nn.with_logical_partitioning(init, names): a logical
 #      name per axis, e.g. ("embed", "mlp"). fsdp.py keeps them to box its shards,
 #      logical_pjit.py maps them onto the mesh; pjit_tp.py names parameters by path instead.
+#      (Flax NNX pieces, nnx.Modules built as Piece(config, hooks, rngs=rngs), name them with
+#      nnx.with_partitioning and call hooks.attend and hooks.positions: from_nnx.)
 #   3. Attention goes through self.attend(q, k, v) (q, k, v [batch, length, heads, head_dim],
 #      causal) and token positions come from self.positions(length): the hooks a strategy may
 #      replace (context_parallel.py, where each device holds pieces of every sequence, passes
 #      ring attention and the positions of its pieces). A mixture of experts reaches its
 #      experts through self.to_experts, and the routing of the whole sequence through
 #      self.whole_sequence (MoeMlp).
-#   4. No parameter is shared between pieces (pipeline.py places them on different devices):
-#      an untied head. Randomness only from Flax's 'dropout' rng (nn.Dropout).
+#   4. No parameter is shared between pieces (pipeline.py places them on different devices),
+#      but the ones the head ties to the embedding: a head parameter at the same path as one of
+#      Embed's (e.g. the head's nn.Embed(name="token").attend(x)), named in the model file's
+#      TIED = ("token/embedding",), is that one, stored once, in the embedding. Randomness
+#      only from Flax's 'dropout' rng (nn.Dropout).
 #
 # check_model (below the banner) tests all of this before anything is compiled, in one line per
 # breach. Activations carry logical constraints (nn.with_logical_constraint), inert unless a
@@ -329,10 +340,17 @@ class Block(Piece):
 class Head(Piece):
     @nn.compact
     def __call__(self, x, deterministic):  # the signature of every piece, so one wrap fits all
-        x = _layer_norm(self.config, "ln_f")(x)
-        logits = _dense(
-            self.config, self.config.vocab_size, ("embed", "vocab"), "out", use_bias=False
-        )(x)
+        c = self.config
+        x = _layer_norm(c, "ln_f")(x)
+        if c.tie_embeddings:  # the token embedding's table (tied: model_pieces), as the kernel
+            table = nn.Embed(
+                c.vocab_size, c.d_model, embedding_init=_init(("vocab", "embed")), name="token"
+            ).embedding
+            # x @ table.T as one contraction (not nn.Embed.attend's transposed copy, which
+            # fsdp.py's remat would keep for the backward pass: it gathers the table again)
+            logits = jnp.einsum("...d,vd->...v", x, table.astype(c.dtype))
+        else:
+            logits = _dense(c, c.vocab_size, ("embed", "vocab"), "out", use_bias=False)(x)
         # The loss is computed in float32 whatever the compute dtype.
         return nn.with_logical_constraint(
             logits.astype(jnp.float32), ("batch", "length", "act_vocab")
@@ -343,9 +361,41 @@ class Pieces(typing.NamedTuple):
     Embed: type
     Block: type
     Head: type
+    tied: tuple = ()  # the head's parameters that are the embedding's: their paths in both
 
 
 GPT = Pieces(Embed, Block, Head)
+
+
+def with_tied(head_params, embed_params, tied):
+    """The head's parameters and the ones it ties to the embedding's (`tied`, their paths), as
+    the embedding holds them: under jax.grad their gradient is the sum of both uses."""
+    head_params = flax.core.unfreeze(head_params)
+    for path in tied:
+        *folders, name = path.split("/")
+        source, target = embed_params, head_params
+        for folder in folders:
+            source, target = source[folder], target.setdefault(folder, {})
+        target[name] = source[name]
+    return head_params
+
+
+def without_tied(head_params, tied):
+    """The head's parameters less the tied ones, which are stored in the embedding."""
+
+    def prune(tree, prefix):
+        kept = {}
+        for key, value in tree.items():
+            path = f"{prefix}{key}"
+            if isinstance(value, dict):
+                value = prune(value, path + "/")
+                if not value:  # a folder that held only tied parameters
+                    continue
+            if path not in tied:
+                kept[key] = value
+        return kept
+
+    return prune(flax.core.unfreeze(head_params), "")
 
 
 def unwrapped(module_class):
@@ -367,7 +417,7 @@ class Model(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, deterministic: bool = True):
-        c, (embed, block, head), hooks = self.config, self.pieces, self.hooks
+        c, (embed, block, head, _), hooks = self.config, self.pieces, self.hooks
         x = self.wrap(embed)(c, hooks, name="embed")(tokens, deterministic)
         block = self.wrap(block)
         if c.remat:  # keep only each block's input; the backward pass runs the block again
@@ -388,7 +438,25 @@ class Model(nn.Module):
             for i in range(c.layers):
                 x, more = block(c, hooks, name=f"block_{i}")(x, deterministic)
                 stats = more if stats is None else jax.tree.map(jnp.add, stats, more)
-        return self.wrap(head)(c, hooks, name="head")(x, deterministic), stats or {}
+        head = self.wrap(head)
+        if self.pieces.tied:  # the embedding's tables, read by the head as its own
+            # Tied to the head's input by a barrier, so that the compiler cannot merge the head's
+            # use with the lookup's: under fsdp.py each use gathers the table (and the backward
+            # pass again), rather than one gathered table kept alive through the whole step.
+            embedding, x = jax.lax.optimization_barrier((self.variables["params"]["embed"], x))
+            head = nn.map_variables(
+                head,
+                "params",
+                trans_in_fn=lambda own: {
+                    "params": with_tied(own.get("params", {}), embedding, self.pieces.tied)
+                },
+                trans_out_fn=lambda own: {
+                    "params": without_tied(own.get("params", {}), self.pieces.tied)
+                },
+                init=self.is_initializing(),
+                mutable=self.is_initializing(),
+            )
+        return head(c, hooks, name="head")(x, deterministic), stats or {}
 
 
 def init_params(model: Model, rng):
@@ -1114,15 +1182,22 @@ def parse_config(config_class=Config, doc: str | None = None, argv: list | None 
 MODELS = {"gpt": GPT}  # --model's built-in names
 
 
+def model_pieces(config: TrainingConfig) -> Pieces:
+    """The pieces --model names, and what the head ties to the embedding: the GPT's table with
+    --tie-embeddings, a model of yours what its TIED says."""
+    pieces = _model_pieces(config.model)
+    return pieces._replace(tied=("token/embedding",)) if config.tie_embeddings else pieces
+
+
 @functools.cache
-def model_pieces(name: str) -> Pieces:
-    """The pieces --model names: a built-in model, a Python file (my_model.py) or an importable
-    module (my_project.model) that defines Embed, Block and Head."""
+def _model_pieces(name: str) -> Pieces:
+    """The pieces of a built-in model, a Python file (my_model.py) or an importable module
+    (my_project.model) that defines Embed, Block and Head (and TIED, if its head ties)."""
     if name in MODELS:
         return MODELS[name]
     module = import_yours(name, "model", f"built in: {', '.join(MODELS)}")
     missing = [
-        piece for piece in Pieces._fields if not isinstance(getattr(module, piece, None), type)
+        piece for piece in Pieces._fields[:3] if not isinstance(getattr(module, piece, None), type)
     ]
     require(
         not missing,
@@ -1130,8 +1205,15 @@ def model_pieces(name: str) -> Pieces:
         f"{name} defines no {', '.join(missing)}: a model is three Flax modules named Embed, Block "
         "and Head (common.py's model contract; README: Your own model and data)",
     )
-    pieces = Pieces(*(getattr(module, piece) for piece in Pieces._fields))
-    for piece in pieces:
+    tied = getattr(module, "TIED", ())
+    require(
+        isinstance(tied, tuple) and all(isinstance(path, str) and path for path in tied),
+        "model",
+        f"{name}: TIED is {tied!r}; it must be a tuple of the paths of the head's parameters that "
+        'are the embedding\'s, e.g. TIED = ("token/embedding",)',
+    )
+    pieces = Pieces(*(_as_piece(getattr(module, piece)) for piece in Pieces._fields[:3]), tied)
+    for piece in pieces[:3]:
         require(
             issubclass(piece, Piece),
             "model",
@@ -1139,6 +1221,84 @@ def model_pieces(name: str) -> Pieces:
             f"{piece.__name__}(config, hooks) (common.py's model contract)",
         )
     return pieces
+
+
+def _as_piece(module_class: type) -> type:
+    """A linen piece as it is; an NNX one (a subclass of nnx.Module) adapted (from_nnx)."""
+    nnx = sys.modules.get("flax.nnx")  # imported by a model file that uses it
+    return from_nnx(module_class) if nnx and issubclass(module_class, nnx.Module) else module_class
+
+
+def from_nnx(module_class: type) -> type:
+    """A Flax NNX module as a piece: built as module_class(config, hooks, rngs=rngs), called as
+    module(x, deterministic), its parameters declared with nnx.with_partitioning(init, names)
+    (model_pieces adapts a model file's NNX pieces by itself). Inside, it is a linen Piece that
+    stores the module's parameters as linen does, at the same paths, boxed with the names NNX
+    gives their axes, so every script trains it as it trains a linen model."""
+    from flax import nnx
+
+    def build(config, hooks, rngs):
+        with nnx.use_eager_sharding(False):  # no mesh here: the scripts lay the parameters out
+            return module_class(config, hooks, rngs=rngs)
+
+    class Adapted(Piece):
+        @nn.compact
+        def __call__(self, x, deterministic):
+            def dropout_key():
+                return self.make_rng("dropout") if self.has_rng("dropout") else jax.random.key(0)
+
+            if self.is_initializing():
+                rngs = nnx.Rngs(params=self.make_rng("params"), dropout=0)
+                module = build(self.config, self.hooks, rngs)
+                for name, value in _linen_params(nnx.state(module, nnx.Param)).items():
+                    self.put_variable("params", name, value)
+            else:  # the module's shapes alone (nothing computed), then the parameters it is given
+                graph = []
+
+                def shapes():
+                    made = nnx.split(build(self.config, self.hooks, nnx.Rngs(params=0, dropout=0)))
+                    graph.append(made[0])
+                    return made[1]
+
+                state = jax.eval_shape(shapes)
+                module = nnx.merge(graph[0], state)
+                params = nn.unbox(flax.core.unfreeze(self.variables.get("params", {})))
+                nnx.update(module, nnx.State(params))
+            nnx.reseed(module, dropout=dropout_key())
+            return module(x, deterministic)
+
+    Adapted.__name__ = Adapted.__qualname__ = module_class.__name__
+    Adapted.nnx_module = module_class  # what it adapts: its layers are NNX's, not linen's
+    return Adapted
+
+
+def _linen_params(state) -> dict:
+    """An NNX module's parameters as nested dicts, each boxed as nn.LogicallyPartitioned with
+    the axis names nnx.with_partitioning gave it (unboxed if it has none)."""
+
+    def box(variable):
+        metadata = variable.get_metadata()
+        names = next(
+            (
+                metadata[k]
+                for k in ("out_sharding", "sharding_names", "sharding")
+                if metadata.get(k)
+            ),
+            None,
+        )
+        value = variable.get_value()
+        return nn.LogicallyPartitioned(value, names=tuple(names)) if names else value
+
+    from flax import nnx
+
+    params = {}
+    for path, variable in nnx.to_flat_state(state):
+        *folders, name = map(str, path)
+        folder = params
+        for key in folders:
+            folder = folder.setdefault(key, {})
+        folder[name] = box(variable)
+    return params
 
 
 def import_yours(name: str, flag: str, otherwise: str):
@@ -1242,13 +1402,19 @@ def make_model(
             hooks,
             attend=functools.partial(causal_attention, implementation=attention_kernel(config)),
         )
-    return Model(config, model_pieces(config.model), wrap, hooks)
+    return Model(config, model_pieces(config), wrap, hooks)
 
 
 def check_model(config: Config):
     """The model contract, checked piece by piece on shapes alone (nothing is computed or
     compiled): ConfigError naming the piece or parameter that breaks it, and what to do."""
-    pieces = model_pieces(config.model)
+    require(
+        not config.tie_embeddings or config.model in MODELS,
+        "tie_embeddings",
+        f"ties the GPT's head to its token embedding; --model {config.model} says what its head "
+        'ties in its file, e.g. TIED = ("token/embedding",) (README: Your own model and data)',
+    )
+    pieces = model_pieces(config)
     tokens = jax.ShapeDtypeStruct((2, config.seq_len), jnp.int32)
     where = f"--model {config.model}:"
     contract = "(common.py's model contract; README: Your own model and data)"
@@ -1256,9 +1422,16 @@ def check_model(config: Config):
     def build(piece, x):
         # The random key is made inside eval_shape too: made outside, it would be computed
         # (compiled).
-        out, variables = jax.eval_shape(
-            lambda x: piece(config, PROBES).init_with_output(jax.random.key(0), x, True), x
-        )
+        try:
+            out, variables = jax.eval_shape(
+                lambda x: piece(config, PROBES).init_with_output(jax.random.key(0), x, True), x
+            )
+        except Exception as error:  # e.g. a piece reaching into another through self.parent
+            raise ConfigError(
+                f"{where} {piece.__name__} fails when built on its own, as pipeline.py runs "
+                f"each piece: {_failure(error, config.model)}; a piece uses only its own "
+                f"parameters, and a head reads the embedding's through TIED {contract}"
+            ) from None
         for path, leaf in jax.tree_util.tree_leaves_with_path(
             variables.get("params", {}), is_leaf=_is_boxed
         ):
@@ -1267,7 +1440,8 @@ def check_model(config: Config):
             if not isinstance(leaf, nn.LogicallyPartitioned):
                 raise ConfigError(
                     f"{where} {name} has no logical axis names: declare it with "
-                    f"nn.with_logical_partitioning(init, names) {contract}"
+                    f"nn.with_logical_partitioning(init, names) (NNX: nnx.with_partitioning) "
+                    f"{contract}"
                 )
             if len(leaf.names) != len(leaf.value.shape):
                 raise ConfigError(
@@ -1332,13 +1506,60 @@ def check_model(config: Config):
                 "self.attend, the hooks context_parallel.py replaces, where each device holds "
                 f"pieces of every sequence {contract}"
             )
-    logits, _ = build(pieces.Head, x)
+    logits, head_variables = build(pieces.Head, x)
     wanted = jax.ShapeDtypeStruct((*tokens.shape, config.vocab_size), jnp.float32)
     if _shape_text(logits) != _shape_text(wanted):
         raise ConfigError(
             f"{where} Head returns {_shape_text(logits)}; it must return float32 logits "
             f"{_shape_text(wanted)} (batch, length, --vocab-size) {contract}"
         )
+    # Contract point 4: each piece stores its own parameters, but for what the head ties
+    alone = {
+        name: _parameter_shapes(variables.get("params", {}))
+        for name, variables in (
+            ("embed", embed_variables),
+            ("block_0", block_variables),
+            ("head", head_variables),
+        )
+    }
+    for path in pieces.tied:
+        for name in ("head", "embed"):
+            if path not in alone[name]:
+                raise ConfigError(
+                    f"{where} the head ties {path} to the embedding's, but "
+                    f"{'Head' if name == 'head' else 'Embed'} has no parameter {path}: TIED "
+                    f"names parameters at the same path in both, e.g. the head's "
+                    f'nn.Embed(name="token").attend(x) ties "token/embedding" {contract}'
+                )
+        if alone["head"][path] != alone["embed"][path]:
+            raise ConfigError(
+                f"{where} the head ties {path} {alone['head'][path]} to the embedding's "
+                f"{alone['embed'][path]}: a tied parameter has one shape and one set of axis "
+                f"names {contract}"
+            )
+        del alone["head"][path]
+    try:
+        whole = jax.eval_shape(
+            lambda: init_params(
+                make_model(dataclasses.replace(config, layers=1, scan_layers=False)),
+                jax.random.key(0),
+            )
+        )
+    except Exception as error:
+        raise ConfigError(
+            f"{where} the pieces fail when put together: {_failure(error, config.model)} {contract}"
+        ) from None
+    for name, own in alone.items():
+        stored = _parameter_shapes(whole.get(name, {}))
+        if stored != own:
+            moved = sorted(set(own).symmetric_difference(stored))
+            raise ConfigError(
+                f"{where} {dict(embed='Embed', block_0='Block', head='Head')[name]}'s parameter "
+                f"{moved[0] if moved else ''} is not where it is when the piece is built on its "
+                "own, as pipeline.py runs it: the pieces share a module, or a piece names its "
+                "parameters by its place. Only the head may share, the embedding's parameters, "
+                f'through TIED = ("token/embedding",) {contract}'
+            )
 
 
 called = []  # the hooks the pieces called while check_model traced them
@@ -1381,6 +1602,18 @@ def logical_names(config: Config) -> list:
     boxed = jax.eval_shape(lambda: init_params(make_model(config), jax.random.key(0)))
     leaves = jax.tree_util.tree_leaves_with_path(boxed, is_leaf=_is_boxed)
     return [(jax.tree_util.keystr(path, simple=True, separator="/"), box) for path, box in leaves]
+
+
+def _parameter_shapes(params) -> dict:
+    """{path: (shape, logical names)} of a piece's parameters."""
+    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_boxed)
+    return {
+        jax.tree_util.keystr(path, simple=True, separator="/"): (
+            tuple(box.value.shape),
+            getattr(box, "names", None),
+        )
+        for path, box in leaves
+    }
 
 
 def _is_boxed(x):
@@ -2134,7 +2367,16 @@ def batch_shape(config: Config, sharding) -> jax.ShapeDtypeStruct:
 # cannot change on resume; flags that change the rest of the trajectory can, and the run says
 # so. Every other flag (the strategy, its mesh, the devices and processes, logging, how often
 # to save) may change freely: a checkpoint holds global arrays, whatever wrote them.
-SHAPE_FLAGS = ("layers", "d_model", "heads", "seq_len", "vocab_size", "scan_layers", "experts")
+SHAPE_FLAGS = (
+    "layers",
+    "d_model",
+    "heads",
+    "seq_len",
+    "vocab_size",
+    "scan_layers",
+    "experts",
+    "tie_embeddings",
+)
 
 
 TRAJECTORY_FLAGS = (
@@ -2637,6 +2879,9 @@ def flops_per_token(config: Config, params) -> int:
     mixture of experts' weights (an axis named 'expert') a token uses its top-k experts'."""
     leaves = jax.tree_util.tree_leaves_with_path(params)
     tables = sum(x.size for path, x in leaves if getattr(path[-1], "key", None) == "embedding")
+    # A table the head ties is also its matmul's kernel
+    tied = [f"embed/{path}" for path in model_pieces(config).tied]
+    tables -= sum(box.value.size for path, box in logical_names(config) if path in tied)
     experts = sum(box.value.size for _, box in logical_names(config) if "expert" in box.names)
     unused = experts - experts * config.top_k // config.experts if experts else 0
     matmul_params = sum(x.size for _, x in leaves) - tables - unused

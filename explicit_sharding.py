@@ -243,12 +243,43 @@ def attend_as_queries(q, k, v, attend):
     return attend(q, reshard(k, spec), reshard(v, spec))
 
 
+def laid_out_inside(piece, batch_axes):
+    """A Flax NNX piece (common.from_nnx): its layers are NNX's, out of sight of a linen
+    interceptor, so inside it the compiler lays out what explicit mode will not guess
+    (jax.sharding.auto_axes: Auto axes, as pjit_tp.py's), between explicit layouts at its edges:
+    its activations' rows split over the batch axes, what it reports whole."""
+
+    class Inside(common.Piece):
+        @nn.compact
+        def __call__(self, x, deterministic):
+            dropout = not deterministic and self.has_rng("dropout")
+            rngs = {"dropout": self.make_rng("dropout")} if dropout else {}
+            returns_pair = []
+
+            def run(params, x, rngs):
+                out = piece(self.config, self.hooks).apply(
+                    {"params": params}, x, deterministic, rngs=rngs
+                )
+                returns_pair.append(isinstance(out, tuple))  # a block's (activations, sums)
+                return out if returns_pair[0] else (out, None)
+
+            laid_out = jax.sharding.auto_axes(run, out_sharding=(P(batch_axes), P()))
+            out = laid_out(self.variables["params"], x, rngs)
+            return out if returns_pair[0] else out[0]
+
+    return Inside
+
+
 def explicit_layout(batch_axes):
     """The `wrap` of the model contract (common.Model): each piece gathers its parameters for
     use, and states the layouts explicit mode asks for, whatever the model's layers."""
 
     def wrap(piece):
         gathered = functools.partial(gather_for_use, batch_axes=batch_axes)
+        if hasattr(piece, "nnx_module"):
+            return nn.map_variables(
+                laid_out_inside(piece, batch_axes), "params", trans_in_fn=gathered
+            )
 
         class Explicit(nn.map_variables(piece, "params", trans_in_fn=gathered)):
             def __call__(self, x, deterministic):

@@ -496,7 +496,7 @@ def stage_forward(params, x, tokens, rng, config, v=0):
     virtual = jax.tree.leaves(params["blocks"])[0].shape[0]
     # Which group of the model's layers: 0 first, virtual * stages - 1 last
     chunk = v * stages + stage
-    model = common.model_pieces(config.model)  # its Embed, Block and Head
+    model = common.model_pieces(config)  # its Embed, Block and Head
     train = config.dropout > 0
     rngs = {"dropout": rng} if train else None
 
@@ -518,7 +518,10 @@ def stage_forward(params, x, tokens, rng, config, v=0):
     stats = jax.tree.map(lambda s: s.sum(0), stats or {})  # over this stage's blocks
 
     def loss():
-        logits = model.Head(config).apply({"params": params["head"]}, x, not train, rngs=rngs)
+        # A tied head reads the embedding's table: the first and last stages both hold it, and
+        # the sum of its gradients over 'stage' adds up the two uses (scatter_embed_and_head).
+        head = common.with_tied(params["head"], params["embed"], model.tied)
+        logits = model.Head(config).apply({"params": head}, x, not train, rngs=rngs)
         return common.cross_entropy(logits, tokens[:, 1:]).sum()
 
     loss = lax.cond(chunk == virtual * stages - 1, loss, lambda: jnp.zeros((), jnp.float32))
@@ -538,7 +541,7 @@ def pipeline_gradients(params, batch, rng, config, table):
         max(1, table[:, :, column].max() + 1) for column in (INPUT_ARRIVES, GRADIENT_ARRIVES)
     )
     # What passes between stages: the embedding's output, of the shape of every block's.
-    embed = common.model_pieces(config.model).Embed(config)
+    embed = common.model_pieces(config).Embed(config)
     activation = jax.eval_shape(
         lambda: embed.apply({"params": params["embed"]}, pieces[0][:, :-1], True)
     )
@@ -553,7 +556,7 @@ def pipeline_gradients(params, batch, rng, config, table):
 
     # What the blocks report (a mixture of experts' routing), summed over the micro-batches.
     block_params = jax.tree.map(lambda p: p[0, 0], params["blocks"])
-    block = common.model_pieces(config.model).Block(config)
+    block = common.model_pieces(config).Block(config)
     stats = jax.eval_shape(lambda: block.apply({"params": block_params}, activation, True))[1] or {}
     stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats)
 

@@ -43,6 +43,7 @@ from tests.harness import (
     DEFAULTS,
     DEVICES,
     EVERY_SCRIPT,
+    LLAMA_SPECS,
     MODEL_GROUPS,
     PROCESSES,
     RTOL,
@@ -292,16 +293,6 @@ def test_a_mixture_of_experts_matches(name):
     compare(name, run(name, **MOE), reference(**MOE, **model_flags(name)), MOE)
 
 
-# What a user adds to pjit_tp.py's PARAM_SPECS to train tests/llama.py (the other scripts need
-# nothing): its parameters' names, in the Megatron layout.
-LLAMA_SPECS = (
-    (r"/(q|gate|up)/kernel", P(None, "model")),  # by output columns: whole heads, hidden units
-    (r"/(o|down)/kernel", P("model", None)),  # by input rows: partial sums
-    (r"/kv/kernel", P()),  # 2 key/value heads, fewer than model=4: kept whole, as Megatron does
-    (r"norm/scale", P()),
-)
-
-
 def test_pjit_tp_s_suggested_entries_train_a_new_model_and_match(monkeypatch):
     """pjit_tp.py names every parameter its table misses, with the entries their logical names
     suggest (tests/test_your_model.py checks the message); pasted, they train tests/llama.py as
@@ -321,6 +312,38 @@ def test_a_model_the_scripts_do_not_know_matches(name, monkeypatch):
     monkeypatch.setattr(pjit_tp, "PARAM_SPECS", LLAMA_SPECS + pjit_tp.PARAM_SPECS)
     llama = {"model": "tests.llama"}
     compare(name, run_uncached(name, **llama), reference(**llama, **model_flags(name)), llama)
+
+
+TIED = {"gpt": {"tie_embeddings": True}, "llama": {"model": "tests.tied_llama"}}
+
+
+# Every pytest: the tied GPT under each script; the tied Llama where tying changes the layout
+# (the pipeline's first and last stages, FSDP's gathers, the vocabulary split); -m full: all.
+TIED_CASES = [(name, "gpt") for name in STRATEGIES] + [(name, "llama") for name in DENSE]
+TIED_DEFAULT = [(name, "gpt") for name in EVERY_SCRIPT] + [
+    (name, "llama") for name in ("fsdp", "pipeline_1f1b", "pjit_tp")
+]
+
+
+@pytest.mark.parametrize("name, model", matrix(TIED_CASES, TIED_DEFAULT))
+def test_a_tied_head_matches(name, model, monkeypatch):
+    """A head that reads the embedding's table (--tie-embeddings; tests/tied_llama.py): one
+    parameter, its gradient the sum of both uses, held by the first and last stages of a
+    pipeline, gathered once per use by FSDP, split along the vocabulary once by tensor
+    parallelism; every script and preset against one device."""
+    monkeypatch.setattr(pjit_tp, "PARAM_SPECS", LLAMA_SPECS + pjit_tp.PARAM_SPECS)
+    flags = TIED[model]
+    compare(name, run_uncached(name, **flags), reference(**flags, **model_flags(name)), flags)
+
+
+@pytest.mark.parametrize("name", matrix(DENSE, ["fsdp", "pipeline_1f1b", "explicit_fsdp_tp"]))
+def test_an_nnx_model_matches(name, monkeypatch):
+    """tests/nnx_llama.py, the Llama written in Flax NNX (its pieces adapted by
+    common.from_nnx, their axis names read from nnx.with_partitioning), through every script
+    and preset, against one device training it."""
+    monkeypatch.setattr(pjit_tp, "PARAM_SPECS", LLAMA_SPECS + pjit_tp.PARAM_SPECS)
+    flags = {"model": "tests.nnx_llama"}
+    compare(name, run_uncached(name, **flags), reference(**flags, **model_flags(name)), flags)
 
 
 @pytest.mark.parametrize("name", ["expert_parallel", "context_parallel"])
@@ -391,16 +414,20 @@ def test_clipping_matches(name):
     compare(name, run(name, clip_norm=0.05, steps=10), ref, {"clip_norm": 0.05, "steps": 10})
 
 
-@pytest.mark.parametrize("name", ["pjit_tp", "logical_tp"])
-def test_vocabulary_is_split_over_model(name):
+@pytest.mark.parametrize(
+    "name, tied",
+    [("pjit_tp", False), ("logical_tp", False), ("pjit_tp", True), ("logical_tp", True)],
+    ids=["pjit_tp", "logical_tp", "pjit_tp-tied", "logical_tp-tied"],
+)
+def test_vocabulary_is_split_over_model(name, tied):
     """The token embedding and the head split along the vocabulary, a quarter per 'model'
-    device; the loss needs no all-gather of logits-sized arrays."""
-    result, d = run(name, vocab_size=4096), SMALL["d_model"]
+    device; the loss needs no all-gather of logits-sized arrays. Tied (--tie-embeddings), one
+    table split once, which the head reads as it is: still no gather of it nor of the logits."""
+    flags = {"vocab_size": 4096, "tie_embeddings": True} if tied else {"vocab_size": 4096}
+    result, d = run(name, **flags), SMALL["d_model"]
     shapes = shard_shapes(result)
-    assert shapes["embed/token/embedding"] == (4096 // 4, d) and shapes["head/out/kernel"] == (
-        d,
-        4096 // 4,
-    )
+    assert shapes["embed/token/embedding"] == (4096 // 4, d)
+    assert shapes.get("head/out/kernel") == (None if tied else (d, 4096 // 4))
     quarter_logits = SMALL["batch_size"] // 2 * SMALL["seq_len"] * 4096 // 4 * 4  # float32, data=2
     gathers = [
         c["bytes"]
@@ -412,7 +439,7 @@ def test_vocabulary_is_split_over_model(name):
         f"{quarter_logits:,} bytes"
     )
     assert all(size < quarter_logits / 4 for size in gathers)
-    compare(name, result, reference(vocab_size=4096), {"vocab_size": 4096})
+    compare(name, result, reference(**flags), flags)
 
 
 # The schedules on deeper pipelines (all run on data=4,stage=2 above): --mesh, --layers. Every
@@ -891,6 +918,24 @@ def test_fsdp_gathers_again_for_the_backward_pass_unless_told_to_keep(keep):
     assert gathers == len(sharded) + (0 if keep else len(kernels))
     assert gathered == sum(sharded.values()) + (0 if keep else sum(kernels.values()))
     compare("fsdp", result, reference(), {"keep_gathered": True} if keep else {})
+
+
+def test_fsdp_gathers_a_tied_table_for_each_use():
+    """--tie-embeddings: the one table is gathered for the lookup, and for the head as its
+    kernel was, forward and again backward; no other copy of it is stored or gathered."""
+    result = run("fsdp", tie_embeddings=True)
+    leaves = jax.tree_util.tree_leaves_with_path(result.state.params, is_leaf=fsdp.is_sharded)
+    sharded = {
+        jax.tree_util.keystr(path, simple=True, separator="/"): p.value.nbytes
+        for path, p in leaves
+        if fsdp.is_sharded(p)
+    }
+    kernels = sum(size for name, size in sharded.items() if name.endswith("/kernel"))
+    table = sharded["embed/token/embedding"]
+    assert not any(name.startswith("head/") and "token" in name for name in sharded)
+    gathered = result.summary["collectives"]["all-gather"]["bytes"]
+    assert gathered == sum(sharded.values()) + kernels + 2 * table, (gathered, table)
+    compare("fsdp", result, reference(tie_embeddings=True), {"tie_embeddings": True})
 
 
 def test_pjit_tp_splits_blocks_over_model():

@@ -18,6 +18,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec
 
 import common
 import context_parallel
@@ -144,6 +145,22 @@ def run_uncached(name, **overrides):
 def run(name, **overrides):
     """run_uncached, once per session for each strategy and overrides."""
     return run_uncached(name, **overrides)
+
+
+# What a user adds to pjit_tp.py's PARAM_SPECS to train tests/llama.py (the other scripts need
+# nothing): its parameters' names, in the Megatron layout.
+LLAMA_SPECS = (
+    (
+        r"/(q|gate|up)/kernel",
+        PartitionSpec(None, "model"),
+    ),  # by output columns: whole heads, hidden units
+    (r"/(o|down)/kernel", PartitionSpec("model", None)),  # by input rows: partial sums
+    (
+        r"/kv/kernel",
+        PartitionSpec(),
+    ),  # 2 key/value heads, fewer than model=4: kept whole, as Megatron does
+    (r"norm/scale", PartitionSpec()),
+)
 
 
 # ----------------------------------------------------------------------------------------------

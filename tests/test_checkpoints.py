@@ -17,8 +17,10 @@ import numpy as np
 import pytest
 
 import common
+import pjit_tp
 import shardmap_dp
 from tests.harness import (
+    LLAMA_SPECS,
     RTOL,
     SMALL,
     TINY,
@@ -83,6 +85,30 @@ def test_another_script_resumes(writer, reader, tmp_path):
     diff = relative(resumed.losses, uninterrupted.losses[10:])
     norm_diff = relative(resumed.grad_norms, uninterrupted.grad_norms[10:])
     print(f"\n{writer} -> {reader}: loss {diff:.1e}, gradient norm {norm_diff:.1e}")
+    assert diff <= RTOL and norm_diff <= RTOL
+
+
+# (writer, reader, the model): a tied head's one table, and an NNX model's parameters, move too
+MODELS_MOVED = [
+    ("fsdp", "pipeline_1f1b", {"tie_embeddings": True}),  # the table whole for both stages
+    ("pipeline_1f1b", "explicit_fsdp_tp", {"model": "tests.nnx_llama"}),
+    ("pjit_tp", "fsdp", {"model": "tests.tied_llama"}),
+]
+
+
+@pytest.mark.parametrize(
+    "writer, reader, flags",
+    matrix(MODELS_MOVED, MODELS_MOVED[:2]),
+    ids=["tied-gpt", "nnx-llama", "tied-llama"],
+)
+def test_a_tied_or_nnx_model_moves_between_scripts(writer, reader, flags, tmp_path, monkeypatch):
+    monkeypatch.setattr(pjit_tp, "PARAM_SPECS", LLAMA_SPECS + pjit_tp.PARAM_SPECS)
+    interrupted(writer, tmp_path, **flags)
+    resumed = run_uncached(reader, checkpoint_dir=str(tmp_path), checkpoint_every=10, **flags)
+    uninterrupted = run_uncached(reader, **flags)
+    diff = relative(resumed.losses, uninterrupted.losses[10:])
+    norm_diff = relative(resumed.grad_norms, uninterrupted.grad_norms[10:])
+    print(f"\n{writer} -> {reader} {flags}: loss {diff:.1e}, gradient norm {norm_diff:.1e}")
     assert diff <= RTOL and norm_diff <= RTOL
 
 
@@ -434,8 +460,12 @@ def test_a_folder_of_other_folders_is_not_a_checkpoint_folder(tmp_path):
         (["--heads", "2"], "--heads 2 differs from 4 in the checkpoint of step 3"),
         (["--d-model", "64"], "--d-model 64 differs from 32 in the checkpoint of step 3"),
         (["--scan-layers"], "--scan-layers True differs from False in the checkpoint of step 3"),
+        (
+            ["--tie-embeddings"],
+            "--tie-embeddings True differs from False in the checkpoint of step 3",
+        ),
     ],
-    ids=["heads", "d-model", "scan-layers"],
+    ids=["heads", "d-model", "scan-layers", "tie-embeddings"],
 )
 def test_resuming_with_another_model_exits_2(flags, message, tmp_path):
     """A flag that changes what the saved weights mean cannot change on resume, even when the

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -49,7 +50,7 @@ def test_a_copied_script_trains_a_model_file_unchanged(script, tmp_path):
 
 def test_pjit_tp_trains_a_model_file_with_its_table_entries(tmp_path):
     """pjit_tp.py needs what its contract asks, the new parameters' entries in PARAM_SPECS
-    (five lines, as test_equivalence.LLAMA_SPECS), and splits them as they say."""
+    (five lines, as tests/harness.LLAMA_SPECS), and splits them as they say."""
     done = run_with_llama("pjit_tp", tmp_path)
     # Every one of them in one line (before: one per run, 11 runs), with the entries to paste
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
@@ -139,6 +140,82 @@ def test_a_model_that_breaks_the_contract_is_one_line(change, message, tmp_path,
     out, err = capsys.readouterr()
     assert exit_info.value.code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+TIED_LLAMA = (ROOT / "tests" / "tied_llama.py").read_text()
+# Sharing between pieces: (a change to tests/tied_llama.py, what the one-line error says)
+SHARING = [
+    (
+        ('TIED = ("token/embedding",)', 'TIED = ("token/table",)'),
+        "the head ties token/table to the embedding's, but Head has no parameter token/table",
+    ),
+    (('TIED = ("token/embedding",)', 'TIED = "token/embedding"'), "TIED is 'token/embedding'"),
+    (
+        ('embedding_init=_init(("vocab", "embed"))', 'embedding_init=_init(("vocab", "model"))'),
+        "a tied parameter has one shape and one set of axis names",
+    ),
+    # The head reaching the embedding's table through self.parent (before: a 25-line traceback)
+    (
+        (
+            "return table.attend(",
+            'table = self.parent.variables["params"]["embed"]["token"]\n'
+            "        return table.attend(",
+        ),
+        "Head fails when built on its own, as pipeline.py runs each piece",
+    ),
+    # Parameters named after the piece's place: what a module shared between pieces also gives
+    (
+        ('RMSNorm(name="norm")', 'RMSNorm(name=f"norm_{self.name}")'),
+        "Head's parameter norm_None/scale is not where it is when the piece is built on its own",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "change, message", SHARING, ids=[message.split(" ")[1] for _, message in SHARING]
+)
+def test_sharing_between_pieces_is_tied_or_one_line(change, message, tmp_path, capsys):
+    """Only what TIED names is shared, at the same path, shape and names in both pieces; any
+    other sharing stops the run before anything is compiled, in one line (before: it passed
+    check_model, then fsdp.py crashed after compiling: 'compiled for 67 inputs but called with
+    66')."""
+    old, new = change
+    assert old in TIED_LLAMA, old
+    (tmp_path / "shared.py").write_text(TIED_LLAMA.replace(old, new))
+    with pytest.raises(SystemExit) as exit_info:
+        SCRIPTS["fsdp"].main(
+            common.parse_config(
+                SCRIPTS["fsdp"].Config, None, [*TINY, "--model", str(tmp_path / "shared.py")]
+            )
+        )
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and message in err, err
+
+
+def test_tie_embeddings_is_the_gpt_s(capsys):
+    """--tie-embeddings ties the GPT's head; a model of yours says what it ties in its file."""
+    with pytest.raises(SystemExit) as exit_info:
+        SCRIPTS["fsdp"].main(
+            common.parse_config(
+                SCRIPTS["fsdp"].Config, None, [*TINY, "--model", "tests.llama", "--tie-embeddings"]
+            )
+        )
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "TIED = (" in err and len(err.splitlines()) == 1, err
+
+
+def test_a_tied_head_costs_its_matmul():
+    """FLOPs per token of a tied head: its table is the head's kernel, so 6 per element."""
+    untied = common.flops_per_token(common.Config(), common.model_shapes(common.Config()).params)
+    config = common.Config(tie_embeddings=True)
+    tied = common.flops_per_token(config, common.model_shapes(config).params)
+    assert tied == untied  # the same matmuls, one table fewer to store
+    assert (
+        sum(x.size for x in jax.tree.leaves(common.model_shapes(config).params))
+        == sum(x.size for x in jax.tree.leaves(common.model_shapes(common.Config()).params))
+        - 128 * 256
+    )
 
 
 @pytest.mark.parametrize(
