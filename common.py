@@ -1275,20 +1275,6 @@ def from_nnx(module_class: type) -> type:
 def _linen_params(state) -> dict:
     """An NNX module's parameters as nested dicts, each boxed as nn.LogicallyPartitioned with
     the axis names nnx.with_partitioning gave it (unboxed if it has none)."""
-
-    def box(variable):
-        metadata = variable.get_metadata()
-        names = next(
-            (
-                metadata[k]
-                for k in ("out_sharding", "sharding_names", "sharding")
-                if metadata.get(k)
-            ),
-            None,
-        )
-        value = variable.get_value()
-        return nn.LogicallyPartitioned(value, names=tuple(names)) if names else value
-
     from flax import nnx
 
     params = {}
@@ -1297,7 +1283,12 @@ def _linen_params(state) -> dict:
         folder = params
         for key in folders:
             folder = folder.setdefault(key, {})
-        folder[name] = box(variable)
+        # 'out_sharding' since Flax 0.12; 'sharding_names' and 'sharding' before
+        metadata = variable.get_metadata()
+        names = [metadata.get(k) for k in ("out_sharding", "sharding_names", "sharding")]
+        names = next((tuple(n) for n in names if n), None)
+        value = variable.get_value()
+        folder[name] = nn.LogicallyPartitioned(value, names=names) if names else value
     return params
 
 
