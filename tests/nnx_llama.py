@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-GROUP = 2  # query heads per key/value head
+from tests.llama import GROUP, rotary  # plain jax: rotary positions, the grouping
 
 
 def _init(names, scale=1.0):
@@ -39,16 +39,6 @@ class RMSNorm(nnx.Module):
         x32 = x.astype(jnp.float32)
         normed = x32 * jax.lax.rsqrt(jnp.mean(x32**2, axis=-1, keepdims=True) + 1e-6)
         return (normed * self.scale[...]).astype(x.dtype)
-
-
-def rotary(x, positions):
-    """Rotate each pair of a head's features by an angle proportional to the token's position.
-    x: [batch, length, heads, head_dim]; positions: [length]."""
-    half = x.shape[-1] // 2
-    angles = positions[:, None] / 10_000 ** (jnp.arange(half) / half)  # [length, half]
-    sin, cos = jnp.sin(angles)[:, None, :], jnp.cos(angles)[:, None, :]
-    x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-    return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
 
 class Embed(nnx.Module):

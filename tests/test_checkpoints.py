@@ -76,16 +76,20 @@ PAIRS = [
 ]
 
 
-@pytest.mark.parametrize("writer, reader", matrix(PAIRS, PAIRS[:4]))
-def test_another_script_resumes(writer, reader, tmp_path):
-    interrupted(writer, tmp_path)
-    flags = model_flags(writer)
-    resumed = run_uncached(reader, checkpoint_dir=str(tmp_path), checkpoint_every=10, **flags)
-    uninterrupted = run(reader, **flags)
+def check_resumes(writer, reader, flags, folder, uninterrupted):
+    """The reader resumes the writer's checkpoint of step 10 and trains on as if uninterrupted."""
+    interrupted(writer, folder, **flags)
+    resumed = run_uncached(reader, checkpoint_dir=str(folder), checkpoint_every=10, **flags)
     diff = relative(resumed.losses, uninterrupted.losses[10:])
     norm_diff = relative(resumed.grad_norms, uninterrupted.grad_norms[10:])
-    print(f"\n{writer} -> {reader}: loss {diff:.1e}, gradient norm {norm_diff:.1e}")
+    print(f"\n{writer} -> {reader} {flags}: loss {diff:.1e}, gradient norm {norm_diff:.1e}")
     assert diff <= RTOL and norm_diff <= RTOL
+
+
+@pytest.mark.parametrize("writer, reader", matrix(PAIRS, PAIRS[:4]))
+def test_another_script_resumes(writer, reader, tmp_path):
+    flags = model_flags(writer)
+    check_resumes(writer, reader, flags, tmp_path, run(reader, **flags))
 
 
 # (writer, reader, the model): a tied head's one table, and an NNX model's parameters, move too
@@ -98,18 +102,12 @@ MODELS_MOVED = [
 
 @pytest.mark.parametrize(
     "writer, reader, flags",
-    matrix(MODELS_MOVED, MODELS_MOVED[:2]),
+    matrix(MODELS_MOVED, MODELS_MOVED[1:2]),
     ids=["tied-gpt", "nnx-llama", "tied-llama"],
 )
 def test_a_tied_or_nnx_model_moves_between_scripts(writer, reader, flags, tmp_path, monkeypatch):
     monkeypatch.setattr(pjit_tp, "PARAM_SPECS", LLAMA_SPECS + pjit_tp.PARAM_SPECS)
-    interrupted(writer, tmp_path, **flags)
-    resumed = run_uncached(reader, checkpoint_dir=str(tmp_path), checkpoint_every=10, **flags)
-    uninterrupted = run_uncached(reader, **flags)
-    diff = relative(resumed.losses, uninterrupted.losses[10:])
-    norm_diff = relative(resumed.grad_norms, uninterrupted.grad_norms[10:])
-    print(f"\n{writer} -> {reader} {flags}: loss {diff:.1e}, gradient norm {norm_diff:.1e}")
-    assert diff <= RTOL and norm_diff <= RTOL
+    check_resumes(writer, reader, flags, tmp_path, run_uncached(reader, **flags))
 
 
 def test_resume_at_the_end_trains_nothing(tmp_path):

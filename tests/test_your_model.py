@@ -132,14 +132,21 @@ def test_a_model_that_breaks_the_contract_is_one_line(change, message, tmp_path,
     """Each breach stops the run before anything is compiled: exit 2, one line naming the
     piece or parameter and what to do."""
     (tmp_path / "bad.py").write_text(broken(change))
-    model = str(tmp_path / "bad.py")  # a path of its own: a process loads a --model once
+    assert message in refused(tmp_path / "bad.py", capsys)
+
+
+def refused(model, capsys, *flags):
+    """fsdp.py's one line for a model file (a path of its own: a process loads a --model once),
+    with exit 2 and nothing on stdout."""
     with pytest.raises(SystemExit) as exit_info:
         SCRIPTS["fsdp"].main(
-            common.parse_config(SCRIPTS["fsdp"].Config, None, [*TINY, "--model", model])
+            common.parse_config(
+                SCRIPTS["fsdp"].Config, None, [*TINY, "--model", str(model), *flags]
+            )
         )
     out, err = capsys.readouterr()
-    assert exit_info.value.code == 2 and out == ""
-    assert len(err.strip().splitlines()) == 1 and message in err, err
+    assert exit_info.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    return err
 
 
 TIED_LLAMA = (ROOT / "tests" / "tied_llama.py").read_text()
@@ -182,27 +189,12 @@ def test_sharing_between_pieces_is_tied_or_one_line(change, message, tmp_path, c
     old, new = change
     assert old in TIED_LLAMA, old
     (tmp_path / "shared.py").write_text(TIED_LLAMA.replace(old, new))
-    with pytest.raises(SystemExit) as exit_info:
-        SCRIPTS["fsdp"].main(
-            common.parse_config(
-                SCRIPTS["fsdp"].Config, None, [*TINY, "--model", str(tmp_path / "shared.py")]
-            )
-        )
-    out, err = capsys.readouterr()
-    assert exit_info.value.code == 2 and out == ""
-    assert len(err.strip().splitlines()) == 1 and message in err, err
+    assert message in refused(tmp_path / "shared.py", capsys)
 
 
 def test_tie_embeddings_is_the_gpt_s(capsys):
     """--tie-embeddings ties the GPT's head; a model of yours says what it ties in its file."""
-    with pytest.raises(SystemExit) as exit_info:
-        SCRIPTS["fsdp"].main(
-            common.parse_config(
-                SCRIPTS["fsdp"].Config, None, [*TINY, "--model", "tests.llama", "--tie-embeddings"]
-            )
-        )
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and "TIED = (" in err and len(err.splitlines()) == 1, err
+    assert "TIED = (" in refused("tests.llama", capsys, "--tie-embeddings")
 
 
 def test_a_tied_head_costs_its_matmul():
