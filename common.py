@@ -700,7 +700,8 @@ class MoeMlp(nn.Module):
         )
         probs = jax.nn.softmax(router(x.astype(jnp.float32)))  # [rows, length, experts]
         gate, expert = jax.lax.top_k(probs, c.top_k)  # [rows, length, k]
-        gate = gate / gate.sum(-1, keepdims=True)
+        if c.top_k > 1:  # renormalised over the k (Mixtral); one expert's, as Switch, is not:
+            gate = gate / gate.sum(-1, keepdims=True)  # 1 always, the router would not learn
         chosen = jax.nn.one_hot(expert, c.experts)  # [rows, length, k, experts]
         # Every token's choices of the whole sequence, in sequence order: where this device's
         # tokens are in it (positions), and the others' from them (whole_sequence).

@@ -115,3 +115,23 @@ def test_a_token_costs_its_top_k_experts():
     assert flops["moe"] - flops["dense"] == 6 * SMALL["layers"] * (
         (MOE["top_k"] - 1) * mlp + d * MOE["experts"]
     )
+
+
+def test_one_expert_per_token_still_teaches_the_router():
+    """--top-k 1: the gate is the chosen expert's probability itself (Switch). Renormalised over
+    one choice it would be 1 whatever the router says, and the router's gradient from the task
+    would be rounding (1.7e-8 measured before); now it is of the order of the experts'."""
+    grads = {}
+    for top_k in (1, 2):
+        config, moe, params, *_, x = mixture(0, top_k=top_k, router_aux_weight=0.0)
+        target = jax.random.normal(jax.random.key(4), x.shape)
+
+        def task_loss(params):
+            out, _ = moe.apply({"params": params}, x, True)
+            return jnp.mean((out - target) ** 2)
+
+        g = jax.grad(task_loss)(params)
+        grads[top_k] = [float(jnp.linalg.norm(g[n]["kernel"])) for n in ("router", "fc1")]
+    print(f"\nrouter and fc1 gradient norms: top-1 {grads[1]}, top-2 {grads[2]}")
+    for router, experts in grads.values():
+        assert router > 1e-3 * experts  # rounding would be ~1e-7 of it
