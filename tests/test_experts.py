@@ -121,9 +121,9 @@ def test_one_expert_per_token_still_teaches_the_router():
     """--top-k 1: the gate is the chosen expert's probability itself (Switch). Renormalised over
     one choice it would be 1 whatever the router says, and the router's gradient from the task
     would be rounding (1.7e-8 measured before); now it is of the order of the experts'."""
-    grads = {}
-    for top_k in (1, 2):
-        config, moe, params, *_, x = mixture(0, top_k=top_k, router_aux_weight=0.0)
+
+    def gradient_norms(top_k):
+        _, moe, params, *_, x = mixture(0, top_k=top_k, router_aux_weight=0.0)
         target = jax.random.normal(jax.random.key(4), x.shape)
 
         def task_loss(params):
@@ -131,7 +131,9 @@ def test_one_expert_per_token_still_teaches_the_router():
             return jnp.mean((out - target) ** 2)
 
         g = jax.grad(task_loss)(params)
-        grads[top_k] = [float(jnp.linalg.norm(g[n]["kernel"])) for n in ("router", "fc1")]
+        return [float(jnp.linalg.norm(g[name]["kernel"])) for name in ("router", "fc1")]
+
+    grads = {top_k: gradient_norms(top_k) for top_k in (1, 2)}
     print(f"\nrouter and fc1 gradient norms: top-1 {grads[1]}, top-2 {grads[2]}")
     for router, experts in grads.values():
         assert router > 1e-3 * experts  # rounding would be ~1e-7 of it
