@@ -114,9 +114,13 @@ class TrainingConfig:
         2, "with --experts: the experts each token goes to, their outputs weighted by the router"
     )
     capacity_factor: float = arg(
-        2.0,
+        0.0,
         "with --experts: an expert takes at most this times its fair share of a sequence's "
-        "tokens, and the rest of them skip it (counted as dropped); 0: no limit, no token dropped",
+        "tokens, and the rest of them skip it (counted as dropped); 0: dropless, every token "
+        "reaches its experts, grouped by expert",
+    )
+    shared_experts: int = arg(
+        0, "with --experts: expert MLPs every token goes through, beside the routed ones"
     )
     router_aux_weight: float = arg(
         0.01, "with --experts: weight of the load-balancing loss added to the loss"
@@ -158,8 +162,8 @@ class TrainingConfig:
 #      causal) and token positions come from self.positions(length): the hooks a strategy may
 #      replace (context_parallel.py, where each device holds pieces of every sequence, passes
 #      ring attention and the positions of its pieces). A mixture of experts reaches its
-#      experts through self.to_experts, and the routing of the whole sequence through
-#      self.whole_sequence (MoeMlp).
+#      experts through self.to_experts (capacity) or self.dropless, and the routing of
+#      the whole sequence through self.whole_sequence (MoeMlp).
 #   4. No parameter is shared between pieces (pipeline.py places them on different devices),
 #      but the ones the head ties to the embedding: a head parameter at the same path as one of
 #      Embed's (e.g. the head's nn.Embed(name="token").attend(x)), named in the model file's
@@ -234,23 +238,34 @@ def experts_here(experts, x):
     return experts(x)
 
 
+def dropless_here(mixture, x, expert, gate):
+    """Every token through its experts, dropless, on this device: x [rows, length, features],
+    expert and gate [rows, length, k], each token's choices and their weights. (expert_
+    parallel.py passes its own: the tokens to every device holding experts, and the outputs
+    back.)"""
+    return mixture(x, expert, gate)
+
+
 @dataclasses.dataclass(frozen=True)
 class Hooks:
     """What a strategy may replace inside a model, in one value; one device's by default. A
     strategy passes Hooks(...) with the fields it replaces (context_parallel.py: attend,
-    positions, whole_sequence; expert_parallel.py: to_experts), and every piece gets them."""
+    positions, whole_sequence; expert_parallel.py: to_experts, dropless), and every piece gets
+    them."""
 
     attend: Callable = causal_attention  # q, k, v -> causal attention's output
     positions: Callable = (
         sequence_positions  # the number of this device's tokens -> their positions
     )
     to_experts: Callable = experts_here  # (the experts, their slots) -> their outputs
+    dropless: Callable = dropless_here  # (the experts, tokens, choices, gates) -> their outputs
     whole_sequence: Callable = this_sequence  # something of this device's tokens -> the sequences'
 
 
 class Piece(nn.Module):
     """What each piece of a model is built with (the contract above): the config and the hooks,
-    which a piece reaches as self.attend, self.positions, self.to_experts, self.whole_sequence."""
+    which a piece reaches as self.attend, self.positions, self.to_experts, self.dropless and
+    self.whole_sequence."""
 
     config: TrainingConfig
     hooks: Hooks = Hooks()
@@ -266,6 +281,10 @@ class Piece(nn.Module):
     @property
     def to_experts(self):
         return self.hooks.to_experts
+
+    @property
+    def dropless(self):
+        return self.hooks.dropless
 
     @property
     def whole_sequence(self):
@@ -312,11 +331,12 @@ class Attention(nn.Module):
 
 class Mlp(nn.Module):
     config: TrainingConfig
+    width: int = 1  # hidden units: width x 4 x d_model (MoeMlp's shared experts: one per expert)
 
     @nn.compact
     def __call__(self, x, deterministic):
         c = self.config
-        h = nn.gelu(_dense(c, 4 * c.d_model, ("embed", "mlp"), "fc1")(x))
+        h = nn.gelu(_dense(c, self.width * 4 * c.d_model, ("embed", "mlp"), "fc1")(x))
         h = nn.with_logical_constraint(h, ("batch", "length", "act_mlp"))
         x = _dense(c, c.d_model, ("mlp", "embed"), "fc2", _residual_scale(c))(h)
         return nn.Dropout(c.dropout)(x, deterministic=deterministic)
@@ -627,26 +647,36 @@ def capacity(config: TrainingConfig, length: int) -> int:
     """Slots per expert per sequence: --capacity-factor times its fair share of the sequence's
     length x top-k choices, and never more than the length (then no token can be dropped)."""
     fair = length * config.top_k / config.experts
-    return (
-        length
-        if not config.capacity_factor
-        else min(length, math.ceil(config.capacity_factor * fair))
-    )
+    return min(length, math.ceil(config.capacity_factor * fair))
+
+
+# The grouped matmul of dropless routing: x [rows, slots, in], each row's slots sorted by expert,
+# times kernel [experts, in, out], row r's first group_sizes[r, 0] slots by expert 0's, and so on;
+# slots past the groups come out zero.
+GROUPED = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(((2,), (1,)), ((), ())),
+    lhs_ragged_dimensions=(1,),
+    rhs_group_dimensions=(0,),
+)
 
 
 class ExpertDense(nn.Module):
-    """A Dense layer per expert, side by side: [experts, ..., in] -> [experts, ..., features]."""
+    """A Dense layer per expert, side by side. Given slots (capacity): [experts, ..., in] ->
+    [experts, ..., features]. Given group_sizes (dropless): x [rows, slots, in], grouped by
+    expert as GROUPED says -> [rows, slots, features], one grouped matmul."""
 
     config: TrainingConfig
     features: int
     names: tuple  # the logical names of one expert's kernel
     scale: float = 1.0
     dot_general: Callable | None = None  # as nn.Dense's: lax.dot_general unless one is given
+    ragged_dot: Callable | None = None  # the same for groups: lax.ragged_dot_general
 
     @nn.compact
-    def __call__(self, x):
-        # As many experts as x brings: all of them, or a device's own (expert_parallel.py).
-        experts = x.shape[0]
+    def __call__(self, x, group_sizes=None):
+        # As many experts as x (or group_sizes) brings: all of them, or a device's own
+        # (expert_parallel.py).
+        experts = x.shape[0] if group_sizes is None else group_sizes.shape[-1]
         kernel = self.param(
             "kernel",
             _init(("expert", *self.names), self.scale),
@@ -654,6 +684,13 @@ class ExpertDense(nn.Module):
         )
         bias = self.param("bias", _zeros(("expert", self.names[-1])), (experts, self.features))
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.config.dtype)
+        if group_sizes is not None:
+            ragged = self.ragged_dot or jax.lax.ragged_dot_general
+            # Each slot's expert's bias, the same way: a slot of ones times the biases.
+            ones = jnp.ones((*x.shape[:-1], 1), x.dtype)
+            return ragged(x, kernel, group_sizes, GROUPED) + ragged(
+                ones, bias[:, None], group_sizes, GROUPED
+            )
         # Each expert's x [..., in] times its kernel [in, features]: the experts' axis a batch axis.
         y = (self.dot_general or jax.lax.dot_general)(
             x, kernel, (((x.ndim - 1,), (1,)), ((0,), (0,)))
@@ -672,11 +709,36 @@ def places_in_queue(choices):
     return jnp.sum(places * choices, -1).astype(jnp.int32)
 
 
-class MoeMlp(nn.Module):
-    """A mixture of --experts MLPs (GShard, Switch): a router sends each token to its --top-k
-    experts, whose outputs, weighted by the router's probabilities, are summed.
+def grouped_by_expert(fc1, fc2, experts, x, expert, gate, shard=0, shards=1):
+    """Dropless: every token of x [rows, length, d] through its experts (expert [rows, length,
+    k]), their outputs weighted by gate and summed. Only the experts of `shard`, one of `shards`
+    equal parts of the `experts` (expert_parallel.py: a device's own), run here; a choice of
+    another part's is skipped. Each row's length x k choices are sorted by expert (argsort), so
+    that each expert's tokens sit side by side, its group; the experts run as two grouped
+    matmuls (ExpertDense); the outputs go back to their tokens' places. Memory and FLOPs of the
+    routing grow as the tokens do: no slot is ever empty."""
+    rows, length, k = expert.shape
+    experts = experts // shards
+    expert = expert - shard * experts  # numbered from 0 among those here
+    elsewhere = (expert < 0) | (expert >= experts)
+    key = jnp.where(elsewhere, experts, expert).reshape(rows, length * k)
+    order = jnp.argsort(key, axis=-1, stable=True)  # each row's choices, grouped by expert
+    group_sizes = jax.nn.one_hot(key, experts, dtype=jnp.int32).sum(1)  # [rows, experts]
+    slots = jnp.take_along_axis(x, order[..., None] // k, axis=1)  # [rows, length x k, d]
+    out = fc2(nn.gelu(fc1(slots, group_sizes)), group_sizes)
+    back = jnp.take_along_axis(out, jnp.argsort(order, axis=-1)[..., None], axis=1)
+    weights = jnp.where(elsewhere, 0, gate).astype(back.dtype)
+    return jnp.einsum("blkd,blk->bld", back.reshape(rows, length, k, -1), weights)
 
-    Routing is decided per whole sequence, so it is the same computation however the batch is
+
+class MoeMlp(nn.Module):
+    """A mixture of --experts MLPs: a router sends each token to its --top-k experts, whose
+    outputs, weighted by the router's probabilities, are summed; --shared-experts more MLPs
+    take every token (DeepSeek, Qwen).
+
+    Dropless (--capacity-factor 0, the default): every token reaches all its experts, grouped
+    by expert (grouped_by_expert), which `dropless` runs. With a capacity (GShard, Switch):
+    routing is decided per whole sequence, so it is the same computation however the batch is
     split: each expert takes at most `capacity` of a sequence's tokens (first choices first,
     then in order), the rest of its tokens skip it, counted as dropped. Tokens reach their
     experts as a fixed-size buffer [experts, rows, capacity, features] (one-hot dispatch, as in
@@ -703,9 +765,37 @@ class MoeMlp(nn.Module):
         if c.top_k > 1:  # renormalised over the k (Mixtral); one expert's, as Switch, is not:
             gate = gate / gate.sum(-1, keepdims=True)  # 1 always, the router would not learn
         chosen = jax.nn.one_hot(expert, c.experts)  # [rows, length, k, experts]
+        fc1 = ExpertDense(c, 4 * c.d_model, ("embed", "mlp"), name="fc1")
+        fc2 = ExpertDense(c, c.d_model, ("mlp", "embed"), _residual_scale(c), name="fc2")
+        if c.capacity_factor:
+            out, per_expert = self.with_capacity(x, chosen, gate, fc1, fc2)
+        else:
+            mixture = functools.partial(grouped_by_expert, fc1, fc2, c.experts)
+            out = self.hooks.dropless(mixture, x, expert, gate)
+            per_expert = chosen.sum((0, 1, 2))
+        if c.shared_experts:  # every token's: one MLP as wide as all of them (DeepSeek-V2)
+            out = out + Mlp(c, c.shared_experts, name="shared")(x, deterministic=True)
+        # Load balance (Switch Transformer, eq. 4, per sequence): experts x sum over experts of
+        # (share of the sequence's choices it got) x (its mean router probability); 1 when even.
+        # Counted once per token, so that it adds up like the cross-entropy.
+        pieces = self.hooks.whole_sequence(chosen.sum((1, 2))[:, None])  # [rows, pieces, experts]
+        whole = length * pieces.shape[1]  # the sequences' length
+        share = pieces.sum(1) / (whole * c.top_k)
+        mean_probs = self.hooks.whole_sequence(probs.sum(1)[:, None]).sum(1) / whole
+        balance = c.experts * jnp.sum(share * mean_probs, -1)
+        stats = {
+            "aux_loss_sum": c.router_aux_weight * length * balance.sum(),
+            "expert_tokens": per_expert,
+            "dropped_tokens": rows * length * c.top_k - per_expert.sum(),
+        }
+        return nn.Dropout(c.dropout)(out, deterministic=deterministic), stats
+
+    def with_capacity(self, x, chosen, gate, fc1, fc2):
+        """The tokens each expert has room for, through it: one-hot dispatch into its slots and
+        combine out of them. Returns the outputs and the tokens each expert took."""
         # Every token's choices of the whole sequence, in sequence order: where this device's
         # tokens are in it (positions), and the others' from them (whole_sequence).
-        mine = self.hooks.positions(length)
+        mine = self.hooks.positions(x.shape[1])
         everyone, gathered = (
             self.hooks.whole_sequence(mine[None])[0],
             self.hooks.whole_sequence(chosen),
@@ -713,27 +803,12 @@ class MoeMlp(nn.Module):
         choices = jnp.zeros_like(gathered).at[:, everyone].set(gathered)
         place = places_in_queue(choices)[:, mine]  # this device's tokens' places
         # Places past the capacity are dropped: one_hot gives them no slot at all.
-        slot = jax.nn.one_hot(place, capacity(c, choices.shape[1]))  # [rows, length, k, slots]
+        slot = jax.nn.one_hot(place, capacity(self.config, choices.shape[1]))  # [.., k, slots]
         dispatch = jnp.einsum("blke,blks->bles", chosen, slot)
         combine = jnp.einsum("blke,blks->bles", chosen * gate[..., None], slot)
-        fc1 = ExpertDense(c, 4 * c.d_model, ("embed", "mlp"), name="fc1")
-        fc2 = ExpertDense(c, c.d_model, ("mlp", "embed"), _residual_scale(c), name="fc2")
         tokens = jnp.einsum("bles,bld->ebsd", dispatch.astype(x.dtype), x)
         out = self.hooks.to_experts(lambda t: fc2(nn.gelu(fc1(t))), tokens)
-        x = jnp.einsum("ebsd,bles->bld", out, combine.astype(out.dtype))
-        # Load balance (Switch Transformer, eq. 4, per sequence): experts x sum over experts of
-        # (share of the sequence's choices it got) x (its mean router probability); 1 when even.
-        # Counted once per token, so that it adds up like the cross-entropy.
-        balance = c.experts * jnp.sum(
-            choices.mean((1, 2)) * self.hooks.whole_sequence(probs).mean(1), -1
-        )
-        per_expert = dispatch.sum((0, 1, 3))
-        stats = {
-            "aux_loss_sum": c.router_aux_weight * length * balance.sum(),
-            "expert_tokens": per_expert,
-            "dropped_tokens": rows * length * c.top_k - per_expert.sum(),
-        }
-        return nn.Dropout(c.dropout)(x, deterministic=deterministic), stats
+        return jnp.einsum("ebsd,bles->bld", out, combine.astype(out.dtype)), dispatch.sum((0, 1, 3))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1037,12 +1112,22 @@ def check_flags(config: Config):
     ):
         require(getattr(config, name) >= 0, name, f"must be zero or more, {example(name)}")
     require(0 <= config.dropout < 1, "dropout", f"must be in [0, 1), {example('dropout')}")
-    for name in ("experts", "capacity_factor", "router_aux_weight"):
+    for name, eg in (
+        ("experts", 8),
+        ("capacity_factor", 2),
+        ("shared_experts", 1),
+        ("router_aux_weight", 0.01),
+    ):
         require(
             getattr(config, name) >= 0,
             name,
-            f"must be zero or more, e.g. --{name.replace('_', '-')} 8",
+            f"must be zero or more, e.g. --{name.replace('_', '-')} {eg}",
         )
+    require(
+        config.experts or not config.shared_experts,
+        "shared_experts",
+        "needs --experts: shared experts sit beside routed ones, e.g. --experts 8",
+    )
     require(
         not config.experts or 1 <= config.top_k <= config.experts,
         "top_k",
@@ -1571,6 +1656,7 @@ PROBES = Hooks(
     attend=_probe("attend", lambda q, k, v: q),
     positions=_probe("positions", lambda length: jnp.cumsum(jnp.ones(length, jnp.int32)) - 1),
     to_experts=_probe("to_experts", experts_here),
+    dropless=_probe("dropless", dropless_here),
     whole_sequence=_probe("whole_sequence", this_sequence),
 )
 
@@ -2367,6 +2453,7 @@ SHAPE_FLAGS = (
     "vocab_size",
     "scan_layers",
     "experts",
+    "shared_experts",
     "tie_embeddings",
 )
 

@@ -3,25 +3,30 @@
 What is where: the mesh has two axes, 'data' and 'expert' (data=2,expert=4 on 8 devices). Every
 block's MLP is a mixture of --experts expert MLPs (common.MoeMlp); the experts' weights and
 their Adam moments are split over 'expert', each device holding --experts / (the size of
-'expert') whole experts, and
-copies of those along 'data'. Everything else (attention, the router, the embedding, the
-head) is replicated, as in data parallelism. The global batch is split by rows over every
-device (P(('data', 'expert'))).
-A step: each device routes its own tokens and lays them out in each expert's slots; an
-all-to-all over 'expert' sends every device the slots of the experts it holds, from each
-device of its group; the experts run; a second all-to-all sends the outputs back to the
-devices their tokens came from. The backward pass runs the same two all-to-alls backwards.
-Then the gradients of replicated parameters are averaged over every device, as in data
-parallelism, and each expert's over 'data', across the devices holding the same experts.
-Collectives per step: per block, two all-to-alls over 'expert' forward and two backward (the
-tokens' slots, [experts, rows, capacity, d_model] per device); the all-reduces of data
-parallelism; tiny ones of the gradient norm and of the metrics.
+'expert') whole experts, and copies of those along 'data'. Everything else (attention, the
+router, the shared experts, the embedding, the head) is replicated, as in data parallelism.
+The global batch is split by rows over every device (P(('data', 'expert'))).
+A step: each device routes its own tokens. Dropless (the default): an all-gather over 'expert'
+brings every device of the group all of the group's tokens with their choices; each runs its
+own experts on the choices that are theirs, grouped by expert (a grouped matmul), and a
+reduce-scatter adds up each token's outputs and sends them home. With --capacity-factor > 0:
+each device lays its tokens out in each expert's slots, an all-to-all sends every device the
+slots of the experts it holds, from each device of its group; the experts run; a second
+all-to-all sends the outputs back. The backward pass runs each collective's reverse. Then the
+gradients of replicated parameters are averaged over every device, as in data parallelism,
+and each expert's over 'data', across the devices holding the same experts.
+Collectives per step: per block, over 'expert': dropless, an all-gather of the group's tokens
+and a reduce-scatter of their outputs forward, and the reverse of each backward (N x [rows,
+length, d_model] each, N the size of 'expert'), and small ones of their choices and gates;
+with a capacity, two all-to-alls of the tokens' slots forward and two backward ([experts,
+rows, capacity, d_model] each); the all-reduces of data parallelism; tiny ones of the
+gradient norm and of the metrics.
 
 What changes from shardmap_dp.py: the mesh gains an 'expert' axis and the state spec splits
 the experts' axis of their parameters over it (stated as data, from the parameters' logical
-names); the model gets a way to its experts (to_experts_and_back); an expert's gradient is
-summed across 'expert' by the all-to-all's backward pass already, so it is averaged over
-'data' only; and the gradient norm adds up each device's experts.
+names); the model gets ways to its experts (dropless_and_back, to_experts_and_back); an
+expert's gradient is summed across 'expert' by the collectives' backward pass already, so it
+is averaged over 'data' only; and the gradient norm adds up each device's experts.
 
 Run:
   python expert_parallel.py              # a laptop: 8 emulated CPU devices, data=2,expert=4
@@ -130,8 +135,25 @@ def to_experts_and_back(experts, x):
     return lax.all_to_all(experts(x), "expert", split_axis=1, concat_axis=0, tiled=True)
 
 
+def dropless_and_back(mixture, x, expert, gate):
+    """Dropless: every token through its experts, whichever devices hold them. x: [rows, length,
+    d], this device's tokens; expert, gate: [rows, length, k], their choices. With N devices
+    along 'expert', an all-gather brings each of them the tokens of the whole group (N x rows,
+    with their choices), each runs its own experts on the choices that are theirs (the others
+    skipped), and a reduce-scatter adds up each token's outputs from the N devices and sends
+    them back where the token came from: [rows, length, d]. Bytes leaving a device each way:
+    (N - 1) x rows x length x d x 4 (float32), and the choices. A ragged all-to-all (which
+    XLA:CPU cannot run, jax issue 34755) would send only each choice to its expert's device, k /
+    N of that under even routing; a fixed-size all-to-all must size every buffer for the worst
+    case, all of a device's choices to one device: min(k, experts per device) times as much."""
+    x, expert, gate = (lax.all_gather(t, "expert", axis=0, tiled=True) for t in (x, expert, gate))
+    out = mixture(x, expert, gate, lax.axis_index("expert"), lax.axis_size("expert"))
+    return lax.psum_scatter(out, "expert", tiled=True)
+
+
 def make_model(config):
-    return common.make_model(config, hooks=common.Hooks(to_experts=to_experts_and_back))
+    hooks = common.Hooks(to_experts=to_experts_and_back, dropless=dropless_and_back)
+    return common.make_model(config, hooks=hooks)
 
 
 def average(grad, spec):

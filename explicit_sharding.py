@@ -194,7 +194,8 @@ def say_where_sums_land(next_fun, args, kwargs, context):
     row-parallel layers, attn/out and fc2: each device holds part of the sum): out_sharding says
     the partial sums are added up (an all-reduce over 'model') into a result split as the input's
     other axes and the kernel's outputs are. nn.Dense and the layers made like it (a
-    `dot_general` attribute, as common.ExpertDense) take their matmul with that out_sharding.
+    `dot_general` attribute, as common.ExpertDense) take their matmul with that out_sharding. A
+    grouped matmul (common.ExpertDense given groups: dropless experts) always states its own.
     A dropout mask for a split activation is drawn split the same way (dropout, below)."""
     module = context.module
     if context.method_name == "__call__" and isinstance(module, nn.Embed):
@@ -204,7 +205,19 @@ def say_where_sums_land(next_fun, args, kwargs, context):
         return table.at[tokens].get(out_sharding=P(*jax.typeof(tokens).sharding.spec, features))
     if context.method_name == "__call__" and isinstance(module, nn.Dropout):
         return dropout(module, *args, **kwargs)
-    if context.method_name == "__call__" and getattr(module, "dot_general", "") is None:
+    if (
+        context.method_name == "__call__"
+        and getattr(module, "ragged_dot", "") is None
+        and len(args) == 2
+    ):
+        return module.clone(parent=None, ragged_dot=grouped_matmul).apply(
+            {"params": module.variables["params"]}, *args
+        )
+    if (
+        context.method_name == "__call__"
+        and getattr(module, "dot_general", "") is None
+        and len(args) == 1
+    ):
         (x,) = args
         kernel = module.variables["params"]["kernel"]
         x_spec, kernel_spec = jax.typeof(x).sharding.spec, jax.typeof(kernel).sharding.spec
@@ -216,6 +229,16 @@ def say_where_sums_land(next_fun, args, kwargs, context):
                 {"params": module.variables["params"]}, x
             )
     return next_fun(*args, **kwargs)
+
+
+def grouped_matmul(x, kernel, group_sizes, dimensions):
+    """jax.lax.ragged_dot_general (common.ExpertDense given groups: dropless experts), laid out
+    by the compiler inside (jax.sharding.auto_axes, as laid_out_inside): explicit mode infers no
+    layout for a grouped matmul, and its gradient's grouped matmuls take no out_sharding (JAX
+    0.10). Its result is laid out as x's slots and the kernel's outputs are."""
+    out = P(*jax.typeof(x).sharding.spec[:-1], jax.typeof(kernel).sharding.spec[-1])
+    grouped = functools.partial(jax.lax.ragged_dot_general, ragged_dot_dimension_numbers=dimensions)
+    return jax.sharding.auto_axes(grouped, out_sharding=out)(x, kernel, group_sizes)
 
 
 def dropout(module, x, deterministic=None, rng=None):

@@ -104,9 +104,10 @@ def make_mesh(config):
 PARAM_SPECS = (
     (r"attn/qkv/kernel", P(None, "model")),  # [embed, heads x (query, key, value) x head_dim]
     (r"attn/out/kernel", P("model", None)),  # [heads x head_dim, embed]
-    (r"mlp/fc1/kernel", P(None, "model")),  # [embed, mlp]; [experts, embed, mlp] with --experts
-    (r"mlp/fc1/bias", P("model")),  # [mlp]
-    (r"mlp/fc2/kernel", P("model", None)),  # [mlp, embed]
+    # [embed, mlp]; [experts, embed, mlp] with --experts; the shared experts' (mlp/shared) too
+    (r"mlp/(shared/)?fc1/kernel", P(None, "model")),
+    (r"mlp/(shared/)?fc1/bias", P("model")),  # [mlp]
+    (r"mlp/(shared/)?fc2/kernel", P("model", None)),  # [mlp, embed]
     # [vocab, embed]: each device a part of the vocabulary
     (r"embed/token/embedding", P("model", None)),
     (r"head/out/kernel", P(None, "model")),  # [embed, vocab]: each device the logits of its part

@@ -353,6 +353,22 @@ def test_an_nnx_model_matches(name, monkeypatch):
     compare(name, run_uncached(name, **flags), reference(**flags, **model_flags(name)), flags)
 
 
+def test_dropless_trains_as_a_capacity_with_room_for_every_token():
+    """Dropless routing (grouped by expert) against one-hot dispatch into a capacity of the whole
+    sequence (--capacity-factor E / k), both on one device: no token dropped by either, the same
+    losses, gradient norms and routing at every step."""
+    full = {**MOE, "capacity_factor": MOE["experts"] / MOE["top_k"]}
+    dropless, capacity = reference(**MOE), reference(**full)
+    losses, norms = (
+        relative(dropless.losses, capacity.losses),
+        relative(dropless.grad_norms, capacity.grad_norms),
+    )
+    print(f"\ndropless against a full capacity: loss {losses:.1e}, gradient norm {norms:.1e}")
+    assert losses <= 1e-6 and norms <= 1e-6
+    assert all(step["dropped_share"] == 0 for step in capacity.router)
+    compare_routing("dropless", dropless.router, capacity.router)
+
+
 @pytest.mark.parametrize("name", ["expert_parallel", "context_parallel"])
 def test_the_same_tokens_are_dropped(name):
     """With capacity for half the tokens, about half the choices are dropped: the same ones as on
@@ -795,12 +811,16 @@ def check_collectives(module, config, result, specs, mesh):
             {"all-gather", "reduce-scatter"} if config.experts else set()
         )
         assert ops <= allowed, ops
-    if module is expert_parallel:  # per block, the tokens' slots out and back, forward and backward
+    if module is expert_parallel:
         expert = frozenset(device_groups(mesh, ["expert"]))
-        assert count("all-to-all", expert) == 4 * layers * micro and ops <= {
-            "all-reduce",
-            "all-to-all",
-        }
+        if config.capacity_factor:  # per block, the tokens' slots out and back, forward and back
+            assert count("all-to-all", expert) == 4 * layers * micro
+            assert ops <= {"all-reduce", "all-to-all"}, ops
+        else:  # dropless, per block: the group's tokens, choices and gates gathered, and their
+            # outputs reduce-scattered back; backward, the reverse of each (none for the choices)
+            assert count("all-gather", expert) == 4 * layers * micro
+            assert count("reduce-scatter", expert) == 3 * layers * micro
+            assert ops <= {"all-reduce", "all-gather", "reduce-scatter"}, ops
     tensor_parallel = module is pjit_tp or (
         module in RULED and dict(module.RULES[config.rules]).get("mlp")
     )
@@ -963,13 +983,22 @@ def test_pjit_tp_splits_blocks_over_model():
     assert DATA_GROUPS in ops["all-reduce"]  # the data-parallel gradient reduction
 
 
-@pytest.mark.parametrize("name, expert", [("expert_parallel", 4), ("expert_parallel_8", 8)])
-def test_expert_parallel_splits_experts_and_sends_tokens_by_all_to_all(name, expert):
+@pytest.mark.parametrize(
+    "name, expert, capacity_factor",
+    matrix(
+        [("expert_parallel", 4, 0.0), ("expert_parallel_8", 8, 0.0), ("expert_parallel", 4, 2.0)],
+        [("expert_parallel", 4, 0.0), ("expert_parallel_8", 8, 0.0)],
+    ),
+)
+def test_expert_parallel_splits_experts_and_sends_tokens_to_them(name, expert, capacity_factor):
     """Each device holds experts/E' whole experts (and their Adam moments), everything else
-    whole; per block, four all-to-alls over 'expert' (tokens there and back, forward and
-    backward), each carrying a device's slots: experts x rows x capacity x d_model x 4 bytes,
-    of which (E' - 1) / E' leave the device; nothing else moves but the reductions."""
-    result = run(name)
+    whole. Dropless, per block: an all-gather over 'expert' of the group's tokens, E' x rows x
+    length x d_model x 4 bytes (and of their choices and gates, rows x length x k each), and a
+    reduce-scatter of their outputs as big; backward, the reverse. With a capacity, four
+    all-to-alls over 'expert' (tokens there and back, forward and backward), each carrying a
+    device's slots: experts x rows x capacity x d_model x 4 bytes. Of each, (E' - 1) / E'
+    leaves the device; nothing else moves but the reductions."""
+    result = run(name, capacity_factor=capacity_factor) if capacity_factor else run(name)
     shapes, d, experts = shard_shapes(result), SMALL["d_model"], MOE["experts"]
     for layer in range(SMALL["layers"]):
         mlp = f"block_{layer}/mlp"
@@ -983,23 +1012,33 @@ def test_expert_parallel_splits_experts_and_sends_tokens_by_all_to_all(name, exp
         for path, x in jax.tree_util.tree_leaves_with_path(
             (result.state.params, result.state.opt_state)
         )
-        if "fc" in jax.tree_util.keystr(path) and "mlp" in jax.tree_util.keystr(path)
+        if "['mlp']['fc" in jax.tree_util.keystr(path)  # the routed experts' (not 'shared')
     )
     assert per_device == (total - expert_bytes) + expert_bytes // expert  # the layout's prediction
-    config = common.Config(**{**SMALL, **MOE})
-    rows = SMALL["batch_size"] // DEVICES
-    slots = experts * rows * common.capacity(config, SMALL["seq_len"]) * d * 4
-    to_all = [
-        c for c in common.hlo_collectives(result.compiled.as_text()) if c["op"] == "all-to-all"
+    config = common.Config(**{**SMALL, **MOE, "capacity_factor": capacity_factor})
+    rows, length, layers = SMALL["batch_size"] // DEVICES, SMALL["seq_len"], SMALL["layers"]
+    found = [
+        c for c in common.hlo_collectives(result.compiled.as_text()) if c["op"] != "all-reduce"
     ]
-    assert len(to_all) == 4 * SMALL["layers"] and all(c["bytes"] == slots for c in to_all)
+    if capacity_factor:
+        carried = {experts * rows * common.capacity(config, length) * d * 4: 4 * layers}
+        ops = {"all-to-all"}
+    else:
+        tokens, choices = expert * rows * length * d * 4, expert * rows * length * MOE["top_k"] * 4
+        # all-gathers: tokens, choices, gates, and the outputs' gradient; reduce-scatters: the
+        # outputs, and the gradients of the tokens and the gates
+        carried = {tokens: 4 * layers, choices: 3 * layers}
+        ops = {"all-gather", "reduce-scatter"}
+    assert {op["op"] for op in found} == ops
+    assert {size: sum(c["bytes"] == size for c in found) for size in carried} == carried
+    assert len(found) == sum(carried.values())
     groups = {tuple(row) for row in np.arange(DEVICES).reshape(DEVICES // expert, expert).tolist()}
-    assert all(replica_groups(c["line"]) == groups for c in to_all)
-    assert set(collectives(result.compiled)) == {"all-to-all", "all-reduce"}
+    assert all(replica_groups(c["line"]) == groups for c in found)
     print(
-        f"\n{name}: {len(to_all)} all-to-alls of {slots:,} bytes per step, "
-        f"{slots * (expert - 1) // expert:,} of each leaving the device; state {per_device:,} of "
-        f"{total:,} bytes per device"
+        f"\n{name} --capacity-factor {capacity_factor}: per step "
+        + ", ".join(f"{n} {'/'.join(sorted(ops))} of {size:,} bytes" for size, n in carried.items())
+        + f", (E' - 1) / E' of each leaving the device; state {per_device:,} of {total:,} bytes "
+        "per device"
     )
 
 

@@ -76,7 +76,8 @@ SCRIPTS = {
     "expert_parallel": expert_parallel,
     "explicit_sharding": explicit_sharding,
 }
-MOE = {"experts": 8, "top_k": 2}  # the mixture of experts the tests train (--experts 8 --top-k 2)
+# The mixture of experts the tests train: 8 routed experts, top-2, dropless, 1 shared expert.
+MOE = {"experts": 8, "top_k": 2, "shared_experts": 1}
 # A strategy is a script with its own flags: every script, each logical_pjit.py preset, HSDP
 # and each pipeline schedule (on SMALL's 2 layers: 'auto' gives data=4,stage=2).
 STRATEGIES = {

@@ -175,6 +175,13 @@ BAD_INPUTS = [
         "--capacity-factor must be zero or more",
     ),
     (
+        ["--experts", "8", "--shared-experts", "-1"],
+        ("expert_parallel",),
+        "--shared-experts must be zero or more, e.g. --shared-experts 1",
+    ),
+    (["--shared-experts", "1"], ("fsdp",), "--shared-experts needs --experts"),
+    (["--experts", "4", "--top-k", "5"], ("expert_parallel",), "--top-k must be from 1 to"),
+    (
         ["--experts", "0"],
         ("expert_parallel",),
         "--experts must be positive: this script splits experts",

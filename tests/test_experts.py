@@ -1,5 +1,6 @@
-"""The mixture of experts itself (common.MoeMlp): dispatch and combine, capacity and dropped
-tokens, the load-balancing loss, and routing shown in the log and the metrics file.
+"""The mixture of experts itself (common.MoeMlp): dropless grouping and the grouped matmul,
+dispatch and combine, capacity and dropped tokens, shared experts, the load-balancing loss, what
+routing costs, and routing shown in the log and the metrics file.
 (test_equivalence.py proves every strategy trains it as one device does.)"""
 
 import json
@@ -12,11 +13,13 @@ import pytest
 
 import common
 from tests.harness import MOE, SMALL, TINY, run_script
+from tools import routing_cost
 
 
 def mixture(capacity_factor, same_experts=False, **flags):
     """A MoeMlp and the dense Mlp of one config, their parameters, and some activations."""
-    config = common.Config(**{**SMALL, **MOE, "capacity_factor": capacity_factor, **flags})
+    flags = {**SMALL, **MOE, "shared_experts": 0, "capacity_factor": capacity_factor, **flags}
+    config = common.Config(**flags)
     x = jax.random.normal(jax.random.key(1), (4, config.seq_len, config.d_model))
     moe, mlp = common.MoeMlp(config), common.Mlp(config)
     moe_params = nn.unbox(moe.init(jax.random.key(2), x, True)["params"])
@@ -40,17 +43,109 @@ def test_experts_that_are_one_mlp_give_that_mlp():
     assert float(stats["expert_tokens"].sum()) == x.shape[0] * x.shape[1] * config.top_k
 
 
+def test_dropless_is_the_capacity_path_with_room_for_every_token():
+    """Grouped by expert (sort, grouped matmul, back to their places), every token reaches its
+    experts: the outputs, the routing counts and every gradient those of one-hot dispatch with a
+    capacity of the whole sequence (--capacity-factor E / k), within float32 rounding."""
+    _, dropless, params, *_, x = mixture(0)
+    config, full, *_ = mixture(MOE["experts"] / MOE["top_k"])
+    assert common.capacity(config, config.seq_len) == config.seq_len
+
+    def outputs(moe, params):
+        out, stats = moe.apply({"params": params}, x, True)
+        return jnp.sum(out * jnp.cos(x)) + stats["aux_loss_sum"], (out, stats)
+
+    (_, (out, stats)), grads = jax.value_and_grad(outputs, argnums=1, has_aux=True)(
+        dropless, params
+    )
+    (_, (out_full, stats_full)), grads_full = jax.value_and_grad(outputs, argnums=1, has_aux=True)(
+        full, params
+    )
+    np.testing.assert_allclose(out, out_full, rtol=0, atol=1e-6 * float(jnp.abs(out_full).max()))
+    assert float(stats["dropped_tokens"]) == 0 == float(stats_full["dropped_tokens"])
+    np.testing.assert_array_equal(stats["expert_tokens"], stats_full["expert_tokens"])
+    np.testing.assert_allclose(stats["aux_loss_sum"], stats_full["aux_loss_sum"], rtol=1e-6)
+    for path, g in jax.tree_util.tree_leaves_with_path(grads_full):
+        mine = grads
+        for key in path:
+            mine = mine[key.key]
+        scale = float(jnp.abs(g).max())
+        assert scale > 0 and float(jnp.abs(mine - g).max()) <= 1e-5 * scale, path
+
+
+def test_a_choice_of_another_devices_expert_is_skipped():
+    """common.grouped_by_expert runs one part of the experts (expert_parallel.py: a device's
+    own): the parts' outputs add up to all the experts' at once."""
+    config, moe, params, *_, x = mixture(0)
+    expert = jax.random.randint(jax.random.key(5), (*x.shape[:2], 2), 0, config.experts)
+    gate = jax.random.uniform(jax.random.key(6), expert.shape)
+
+    class Part(nn.Module):  # the experts of one part, as a device holds them
+        shard: int
+        shards: int
+
+        @nn.compact
+        def __call__(self, x):
+            fc1 = common.ExpertDense(config, 4 * config.d_model, ("embed", "mlp"), name="fc1")
+            fc2 = common.ExpertDense(config, config.d_model, ("mlp", "embed"), name="fc2")
+            return common.grouped_by_expert(
+                fc1, fc2, config.experts, x, expert, gate, self.shard, self.shards
+            )
+
+    def part(shard, shards):
+        here = config.experts // shards
+        mine = {
+            name: jax.tree.map(lambda p: p[shard * here : (shard + 1) * here], params[name])
+            for name in ("fc1", "fc2")
+        }
+        return Part(shard, shards).apply({"params": mine}, x)
+
+    whole = part(0, 1)
+    parts = sum(part(shard, 4) for shard in range(4))
+    assert float(jnp.abs(whole).max()) > 0
+    np.testing.assert_allclose(parts, whole, rtol=0, atol=1e-6 * float(jnp.abs(whole).max()))
+
+
+def test_shared_experts_take_every_token():
+    """--shared-experts N: one MLP N times as wide as an expert beside the routed ones, its
+    output added to theirs whatever the router says."""
+    config, moe, params, *_, x = mixture(0, shared_experts=2)
+    assert params["shared"]["fc1"]["kernel"].shape == (config.d_model, 2 * 4 * config.d_model)
+    out, _ = moe.apply({"params": params}, x, True)
+    routed_config, routed, *_ = mixture(0)
+    routed_params = {name: value for name, value in params.items() if name != "shared"}
+    routed_out, _ = routed.apply({"params": routed_params}, x, True)
+    shared = common.Mlp(config, 2).apply({"params": params["shared"]}, x, True)
+    assert float(jnp.abs(shared).max()) > 0
+    np.testing.assert_allclose(out, routed_out + shared, rtol=1e-6, atol=1e-7)
+
+
+def test_dropless_routing_grows_with_the_tokens_and_capacity_with_their_square():
+    """Routing alone (the experts skipped), forward and backward, compiled: 4 x the tokens
+    costs dropless routing about 4 x the temporaries and FLOPs (a sort, gathers), and one-hot
+    dispatch about 16 x (its buffers are length x capacity, the capacity a share of the
+    length). tools/routing_cost.py prints the figures."""
+    short, long = (
+        {factor: routing_cost.cost(length, factor, routing_only=True) for factor in (0.0, 2.0)}
+        for length in (256, 1024)
+    )
+    print(f"\nrouting alone (temporaries, FLOPs): 256 tokens {short}, 1024 tokens {long}")
+    for measure in (0, 1):
+        assert long[0.0][measure] <= 5 * short[0.0][measure]
+        assert long[2.0][measure] >= 12 * short[2.0][measure]
+        assert long[0.0][measure] * 10 <= long[2.0][measure]
+
+
 def test_capacity_drops_the_later_tokens_and_counts_them():
     """An expert takes at most `capacity` tokens of a sequence; the choices past it are dropped,
-    counted, and every other choice is kept. With no limit, the same tokens keep them all."""
+    counted, and every other choice is kept. Dropless, the same tokens keep them all."""
     config, moe, params, *_, x = mixture(0.5)
     assert common.capacity(config, config.seq_len) == 4  # 0.5 x 32 tokens x 2 choices / 8 experts
     _, stats = moe.apply({"params": params}, x, True)
     per_expert, dropped = np.asarray(stats["expert_tokens"]), float(stats["dropped_tokens"])
     assert (per_expert <= x.shape[0] * 4).all() and dropped > 0
     assert per_expert.sum() + dropped == x.shape[0] * config.seq_len * config.top_k
-    unlimited_config, unlimited, *_ = mixture(0)
-    assert common.capacity(unlimited_config, config.seq_len) == config.seq_len
+    _, unlimited, *_ = mixture(0)
     _, stats = unlimited.apply({"params": params}, x, True)
     assert float(stats["dropped_tokens"]) == 0
 
@@ -113,7 +208,7 @@ def test_a_token_costs_its_top_k_experts():
         flops[name] = common.flops_per_token(config, params)
     mlp = d * 4 * d + 4 * d + 4 * d * d + d
     assert flops["moe"] - flops["dense"] == 6 * SMALL["layers"] * (
-        (MOE["top_k"] - 1) * mlp + d * MOE["experts"]
+        (MOE["top_k"] - 1 + MOE["shared_experts"]) * mlp + d * MOE["experts"]
     )
 
 
