@@ -125,6 +125,13 @@ class TrainingConfig:
     router_aux_weight: float = arg(
         0.01, "with --experts: weight of the load-balancing loss added to the loss"
     )
+    router_bias_rate: float = arg(
+        0.0,
+        "with --experts: balance without a loss (DeepSeek-V3): a bias per expert, added to the "
+        "router's probabilities only to choose the experts, moves by this much after each step, "
+        "down for an expert that got more than its share of the step's tokens, up for one that "
+        "got less (0: no bias)",
+    )
     microbatches: int = arg(1, "gradient accumulation: sequential micro-batches per step")
     scan_layers: bool = arg(False, "run the blocks with nn.scan: one compiled block, not --layers")
     remat: bool = arg(
@@ -537,7 +544,37 @@ def make_optimizer(config: TrainingConfig):
         decay_steps=max(config.steps, config.warmup_steps + 1),
         end_value=config.lr / 10,
     )
-    return optax.adamw(schedule, **ADAM, weight_decay=config.weight_decay, mask=decay_mask)
+    adamw = optax.adamw(schedule, **ADAM, weight_decay=config.weight_decay, mask=decay_mask)
+    if not config.router_bias_rate:
+        return adamw
+    # A mixture of experts' balance bias moves by its own rule, with no Adam moments: by the
+    # rate, against the sign of its entry (its experts' excess load, load_of).
+    balance = optax.GradientTransformation(
+        lambda params: optax.EmptyState(),
+        lambda load, state, params=None: (
+            jax.tree.map(lambda x: -config.router_bias_rate * jnp.sign(x), load),
+            state,
+        ),
+    )
+    return optax.multi_transform({"learned": adamw, "balance": balance}, balance_labels)
+
+
+def is_balance(path) -> bool:
+    return _leaf_name(path) == "router_bias"
+
+
+def balance_labels(params):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: "balance" if is_balance(path) else "learned", params
+    )
+
+
+def learned(grads):
+    """The gradient of what is learned from the loss, for its global norm: all of it but a
+    mixture's balance bias (--router-bias-rate), whose entry is its experts' load (load_of)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, g: jnp.zeros_like(g) if is_balance(path) else g, grads
+    )
 
 
 def create_state(config: TrainingConfig, model: Model, hold: Callable = nn.unbox) -> TrainState:
@@ -731,6 +768,29 @@ def grouped_by_expert(fc1, fc2, experts, x, expert, gate, shard=0, shards=1):
     return jnp.einsum("blkd,blk->bld", back.reshape(rows, length, k, -1), weights)
 
 
+@jax.custom_vjp
+def load_of(bias, load):
+    """Balance without a loss (DeepSeek-V3), its bias's entry in the gradient: 0, added to the
+    loss, whose derivative for the bias is load: the tokens each expert got more than its share
+    (fewer: negative), summed over the tokens, so that the loss's mean makes it the share of the
+    tokens. Gradients are averaged over micro-batches and devices, so whatever the strategy,
+    the bias's entry arrives as the step's excess share of each expert, where the bias is; the
+    optimizer moves the bias against its sign (make_optimizer), and it is left out of the
+    gradient's norm (learned). The bias gets no other gradient: it only chooses."""
+    return jnp.zeros((), load.dtype)
+
+
+def _load_of_forward(bias, load):
+    return load_of(bias, load), load
+
+
+def _load_of_backward(load, scale):
+    return scale * load, jnp.zeros_like(load)
+
+
+load_of.defvjp(_load_of_forward, _load_of_backward)
+
+
 class MoeMlp(nn.Module):
     """A mixture of --experts MLPs: a router sends each token to its --top-k experts, whose
     outputs, weighted by the router's probabilities, are summed; --shared-experts more MLPs
@@ -762,6 +822,10 @@ class MoeMlp(nn.Module):
         )
         probs = jax.nn.softmax(router(x.astype(jnp.float32)))  # [rows, length, experts]
         gate, expert = jax.lax.top_k(probs, c.top_k)  # [rows, length, k]
+        if c.router_bias_rate:  # the bias chooses the experts; their probabilities weigh them
+            bias = self.param("router_bias", _zeros((None,)), (c.experts,))
+            expert = jax.lax.top_k(probs + bias, c.top_k)[1]
+            gate = jnp.take_along_axis(probs, expert, -1)
         if c.top_k > 1:  # renormalised over the k (Mixtral); one expert's, as Switch, is not:
             gate = gate / gate.sum(-1, keepdims=True)  # 1 always, the router would not learn
         chosen = jax.nn.one_hot(expert, c.experts)  # [rows, length, k, experts]
@@ -783,8 +847,12 @@ class MoeMlp(nn.Module):
         share = pieces.sum(1) / (whole * c.top_k)
         mean_probs = self.hooks.whole_sequence(probs.sum(1)[:, None]).sum(1) / whole
         balance = c.experts * jnp.sum(share * mean_probs, -1)
+        aux_loss_sum = c.router_aux_weight * length * balance.sum()
+        if c.router_bias_rate:  # the bias's entry in the gradient: its experts' loads (see below)
+            load = chosen.sum((0, 1, 2)) / c.top_k - rows * length / c.experts
+            aux_loss_sum = aux_loss_sum + load_of(bias, load)
         stats = {
-            "aux_loss_sum": c.router_aux_weight * length * balance.sum(),
+            "aux_loss_sum": aux_loss_sum,
             "expert_tokens": per_expert,
             "dropped_tokens": rows * length * c.top_k - per_expert.sum(),
         }
@@ -1117,17 +1185,19 @@ def check_flags(config: Config):
         ("capacity_factor", 2),
         ("shared_experts", 1),
         ("router_aux_weight", 0.01),
+        ("router_bias_rate", 0.001),
     ):
         require(
             getattr(config, name) >= 0,
             name,
             f"must be zero or more, e.g. --{name.replace('_', '-')} {eg}",
         )
-    require(
-        config.experts or not config.shared_experts,
-        "shared_experts",
-        "needs --experts: shared experts sit beside routed ones, e.g. --experts 8",
-    )
+    for name in ("shared_experts", "router_bias_rate"):
+        require(
+            config.experts or not getattr(config, name),
+            name,
+            "needs --experts, a mixture of experts, e.g. --experts 8",
+        )
     require(
         not config.experts or 1 <= config.top_k <= config.experts,
         "top_k",
@@ -2474,6 +2544,7 @@ TRAJECTORY_FLAGS = (
     "top_k",
     "capacity_factor",
     "router_aux_weight",
+    "router_bias_rate",
 )
 
 
@@ -2913,7 +2984,8 @@ def _compare_with_checkpoint(config: Config, step: int, flags: dict, saved_param
             raise ConfigError(
                 f"--checkpoint-dir {config.checkpoint_dir} holds another model: {name} is "
                 f"{saved.get(name, 'absent')} there but {expected.get(name, 'absent')} here (check "
-                "--layers, --d-model, --heads, --seq-len, --scan-layers, --experts)"
+                "--layers, --d-model, --heads, --seq-len, --scan-layers, --experts, "
+                "--shared-experts, --router-bias-rate)"
             )
     changed = [
         f"--{name.replace('_', '-')} {flags[name]} -> {getattr(config, name)}"

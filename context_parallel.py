@@ -228,7 +228,8 @@ def train_step(state, batch, config):
     # All-reduce: every copy now applies the same update
     grads = lax.pmean(grads, ("data", "context"))
     metrics = lax.psum(metrics, ("data", "context"))
-    norm = optax.tree.norm(grads)  # the global norm, for clipping: every device holds all of it now
+    # The global norm, for clipping: every device holds all of it now
+    norm = optax.tree.norm(common.learned(grads))
     state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
     return state, {**metrics, "grad_norm": norm}
 

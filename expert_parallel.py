@@ -208,7 +208,7 @@ def train_step(state, batch, config):
     grads = jax.tree.map(average, grads, specs)
     metrics = lax.psum(metrics, ("data", "expert"))
     # The experts', and the rest
-    norm = global_norm(grads, jax.tree.map(is_split, specs, is_leaf=is_spec))
+    norm = global_norm(common.learned(grads), jax.tree.map(is_split, specs, is_leaf=is_spec))
     state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
     return state, {**metrics, "grad_norm": norm}
 

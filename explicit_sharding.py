@@ -345,7 +345,7 @@ def train_step(state, batch, config):
     rng = jax.random.fold_in(state.rng, state.step)
     grads, metrics = common.accumulate_gradients(state, batch, rng, config.microbatches)
     # The global norm, for clipping: jit adds up its shards' partial sums
-    norm = optax.tree.norm(grads)
+    norm = optax.tree.norm(common.learned(grads))
     state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
     return state, {**metrics, "grad_norm": norm}
 

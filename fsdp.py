@@ -231,7 +231,7 @@ def train_step(state, batch, config):
     grads = jax.tree.map(average, grads, is_leaf=is_sharded)
     metrics = lax.psum(metrics, every_device())
     # Of the shards, and the rest
-    norm = global_norm(grads, jax.tree.map(is_sharded, grads, is_leaf=is_sharded))
+    norm = global_norm(common.learned(grads), jax.tree.map(is_sharded, grads, is_leaf=is_sharded))
     state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
     return state, {**metrics, "grad_norm": norm}
 

@@ -660,7 +660,9 @@ def train_step(state, batch, config, table, specs):
         **lax.psum(metrics, ("data", "stage")),
         "tokens": lax.psum(metrics["tokens"], "data"),
     }
-    norm = global_norm(grads, jax.tree.map(lambda spec: "stage" in spec, specs, is_leaf=is_spec))
+    norm = global_norm(
+        common.learned(grads), jax.tree.map(lambda spec: "stage" in spec, specs, is_leaf=is_spec)
+    )
     state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
     return state, {**metrics, "grad_norm": norm}
 

@@ -112,7 +112,10 @@ PARAM_SPECS = (
     (r"embed/token/embedding", P("model", None)),
     (r"head/out/kernel", P(None, "model")),  # [embed, vocab]: each device the logits of its part
     # Replicated: small
-    (r"embed/position/embedding|ln\w*/(scale|bias)|out/bias|fc2/bias|mlp/router/kernel", P()),
+    (
+        r"embed/position/embedding|ln\w*/(scale|bias)|out/bias|fc2/bias|mlp/router/kernel|mlp/router_bias",
+        P(),
+    ),
 )
 BATCH_SPEC = P("data")  # rows split over 'data'
 
@@ -175,7 +178,7 @@ def train_step(state, batch, config):
     rng = jax.random.fold_in(state.rng, state.step)
     grads, metrics = common.accumulate_gradients(state, batch, rng, config.microbatches)
     # The global norm, for clipping: jit adds up its shards' partial sums
-    norm = optax.tree.norm(grads)
+    norm = optax.tree.norm(common.learned(grads))
     state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
     return state, {**metrics, "grad_norm": norm}
 

@@ -66,7 +66,8 @@ def train_step(state, batch, config):
     grads, metrics = common.accumulate_gradients(local, batch, rng, config.microbatches)
     grads = lax.pmean(grads, "data")  # all-reduce: every copy now applies the same update
     metrics = lax.psum(metrics, "data")
-    norm = optax.tree.norm(grads)  # the global norm, for clipping: every device holds all of it now
+    # The global norm, for clipping: every device holds all of it now
+    norm = optax.tree.norm(common.learned(grads))
     state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
     return state, {**metrics, "grad_norm": norm}
 

@@ -103,6 +103,10 @@ ILL_CONDITIONED_PER_ROW = 0.25
 LARGEST_DIFFERENCE = 1e-2
 
 
+def is_adam(x):
+    return isinstance(x, optax.ScaleByAdamState)
+
+
 @functools.cache
 def reference(**overrides):
     """The same training, with no parallelism at all: plain jax.jit on one device."""
@@ -115,12 +119,23 @@ def reference(**overrides):
         grads, metrics = common.accumulate_gradients(
             state, batch, jax.random.fold_in(state.rng, state.step), config.microbatches
         )
-        norm = optax.tree.norm(grads)
+        norm = optax.tree.norm(common.learned(grads))
         state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
-        adam = state.opt_state[0]  # optax.adamw's first: scale_by_adam's
+        (adam,) = [
+            s
+            for s in jax.tree.leaves(state.opt_state, is_leaf=is_adam)
+            if isinstance(s, optax.ScaleByAdamState)
+        ]
         v = jax.tree.leaves(optax.tree.bias_correction(adam.nu, common.ADAM["b2"], adam.count))
         typical = jnp.sqrt(sum(x.sum() for x in v) / sum(x.size for x in v))
         v = jax.tree.unflatten(jax.tree.structure(adam.nu), v)
+        # A balance bias (--router-bias-rate) has no moments: its steps are exact, compare all
+        v = jax.tree.map(
+            lambda v, p: jnp.full(p.shape, jnp.inf) if isinstance(v, optax.MaskedNode) else v,
+            v,
+            state.params,
+            is_leaf=lambda x: isinstance(x, optax.MaskedNode),
+        )
         conditioned = jax.tree.map(
             lambda c, g, v: c & ((g == 0) | (jnp.sqrt(v) >= CONDITIONED * typical)),
             conditioned,

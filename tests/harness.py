@@ -76,8 +76,9 @@ SCRIPTS = {
     "expert_parallel": expert_parallel,
     "explicit_sharding": explicit_sharding,
 }
-# The mixture of experts the tests train: 8 routed experts, top-2, dropless, 1 shared expert.
-MOE = {"experts": 8, "top_k": 2, "shared_experts": 1}
+# The mixture of experts the tests train: 8 routed experts, top-2, dropless, 1 shared expert,
+# balanced by a bias (moving 0.001 a step) and the load-balancing loss.
+MOE = {"experts": 8, "top_k": 2, "shared_experts": 1, "router_bias_rate": 0.001}
 # A strategy is a script with its own flags: every script, each logical_pjit.py preset, HSDP
 # and each pipeline schedule (on SMALL's 2 layers: 'auto' gives data=4,stage=2).
 STRATEGIES = {

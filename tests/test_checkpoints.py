@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -84,12 +85,27 @@ def check_resumes(writer, reader, flags, folder, uninterrupted):
     norm_diff = relative(resumed.grad_norms, uninterrupted.grad_norms[10:])
     print(f"\n{writer} -> {reader} {flags}: loss {diff:.1e}, gradient norm {norm_diff:.1e}")
     assert diff <= RTOL and norm_diff <= RTOL
+    return resumed
+
+
+def balance_biases(result):
+    """A mixture of experts' balance biases (--router-bias-rate), as numbers: {path: values}."""
+    params = nn.unbox(result.state.params)
+    return {
+        jax.tree_util.keystr(path): np.asarray(leaf)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+        if common.is_balance(path)
+    }
 
 
 @pytest.mark.parametrize("writer, reader", matrix(PAIRS, PAIRS[:4]))
 def test_another_script_resumes(writer, reader, tmp_path):
     flags = model_flags(writer)
-    check_resumes(writer, reader, flags, tmp_path, run(reader, **flags))
+    resumed = check_resumes(writer, reader, flags, tmp_path, run(reader, **flags))
+    if flags.get("router_bias_rate"):  # the balance bias resumed too, and moved on the same
+        mine, theirs = balance_biases(resumed), balance_biases(run(reader, **flags))
+        assert mine and mine.keys() == theirs.keys()
+        assert all(np.array_equal(mine[path], theirs[path]) for path in mine)
 
 
 # (writer, reader, the model): a tied head's one table, and an NNX model's parameters, move too

@@ -180,6 +180,17 @@ BAD_INPUTS = [
         "--shared-experts must be zero or more, e.g. --shared-experts 1",
     ),
     (["--shared-experts", "1"], ("fsdp",), "--shared-experts needs --experts"),
+    (
+        ["--experts", "8", "--router-bias-rate", "nan"],
+        ("expert_parallel",),
+        "--router-bias-rate must be a finite float32 number",
+    ),
+    (
+        ["--experts", "8", "--router-bias-rate", "-0.001"],
+        ("fsdp",),
+        "--router-bias-rate must be zero or more",
+    ),
+    (["--router-bias-rate", "0.001"], ("pjit_tp",), "--router-bias-rate needs --experts"),
     (["--experts", "4", "--top-k", "5"], ("expert_parallel",), "--top-k must be from 1 to"),
     (
         ["--experts", "0"],

@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import common
@@ -18,7 +19,8 @@ from tools import routing_cost
 
 def mixture(capacity_factor, same_experts=False, **flags):
     """A MoeMlp and the dense Mlp of one config, their parameters, and some activations."""
-    flags = {**SMALL, **MOE, "shared_experts": 0, "capacity_factor": capacity_factor, **flags}
+    flags = {**SMALL, **MOE, "shared_experts": 0, "router_bias_rate": 0, **flags}
+    flags["capacity_factor"] = capacity_factor
     config = common.Config(**flags)
     x = jax.random.normal(jax.random.key(1), (4, config.seq_len, config.d_model))
     moe, mlp = common.MoeMlp(config), common.Mlp(config)
@@ -134,6 +136,60 @@ def test_dropless_routing_grows_with_the_tokens_and_capacity_with_their_square()
         assert long[0.0][measure] <= 5 * short[0.0][measure]
         assert long[2.0][measure] >= 12 * short[2.0][measure]
         assert long[0.0][measure] * 10 <= long[2.0][measure]
+
+
+def test_the_bias_chooses_and_the_probabilities_weigh():
+    """--router-bias-rate: the bias is added to the router's probabilities only to choose the
+    experts. A bias of 10 on expert 0 makes it every token's first choice, while its gate stays
+    its probability, renormalised over the two chosen, as without a bias."""
+    config, moe, params, *_, x = mixture(0, router_bias_rate=0.001)
+    assert params["router_bias"].shape == (config.experts,)
+    params["router_bias"] = params["router_bias"].at[0].set(10.0)
+    _, stats = moe.apply({"params": params}, x, True)
+    assert float(stats["expert_tokens"][0]) == x.shape[0] * x.shape[1]  # every token's
+    probs = jax.nn.softmax(x @ params["router"]["kernel"])
+    first = probs[..., 0]
+    second = jnp.max(probs[..., 1:], -1)
+    gates = {}
+
+    def record(mixture, x, expert, gate):
+        gates["expert"], gates["gate"] = expert, gate
+        return mixture(x, expert, gate)
+
+    moe.clone(hooks=common.Hooks(dropless=record)).apply({"params": params}, x, True)
+    assert (gates["expert"][..., 0] == 0).all()
+    np.testing.assert_allclose(gates["gate"][..., 0], first / (first + second), rtol=1e-5)
+
+
+def test_the_bias_moves_against_each_experts_excess_load():
+    """After a step the bias is -rate x sign(the expert's tokens - its fair share): down for an
+    expert that got more, up for one that got less (DeepSeek-V3). Its entry in the gradient is
+    that excess as a share of the tokens, left out of the gradient's norm; it has no Adam
+    moments."""
+    flags = {**SMALL, **MOE, "layers": 1, "router_bias_rate": 0.01, "clip_norm": 0.05}
+    config = common.Config(**flags)
+    state = common.create_state(config, common.make_model(config))
+    batch = common.load_dataset(config).batch(0, 0, config.batch_size)
+    grads, metrics = common.accumulate_gradients(state, batch, state.rng, 1)
+    tokens = config.batch_size * config.seq_len
+    fair = tokens * config.top_k / config.experts
+    excess = np.asarray(metrics["expert_tokens"]) - fair
+    assert (excess != 0).any()
+    entry = grads["block_0"]["mlp"]["router_bias"]
+    np.testing.assert_allclose(entry, excess / config.top_k / tokens, rtol=1e-6)
+    norm = optax.tree.norm(common.learned(grads))
+    assert float(norm) < float(optax.tree.norm(grads))  # the entry is not in the norm
+    assert float(norm) > config.clip_norm  # clipped: the bias's step does not shrink with it
+    after = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
+    np.testing.assert_array_equal(
+        after.params["block_0"]["mlp"]["router_bias"], -0.01 * np.sign(excess)
+    )
+    adam_leaves = [
+        path
+        for path, _ in jax.tree_util.tree_leaves_with_path(after.opt_state)
+        if "router_bias" in jax.tree_util.keystr(path)
+    ]
+    assert adam_leaves == []
 
 
 def test_capacity_drops_the_later_tokens_and_counts_them():
