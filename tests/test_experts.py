@@ -252,7 +252,8 @@ def test_routing_is_in_the_log_and_the_metrics(tmp_path):
 
 def test_a_token_costs_its_top_k_experts():
     """The cost report counts the FLOPs of the experts a token goes to, not of all of them: each
-    expert is as big as the dense MLP, so a mixture costs (top-k - 1) MLPs and a router more."""
+    expert is as big as the dense MLP, so a mixture costs top-k - 1 MLPs, its shared experts and
+    a router more."""
     dense, moe = common.Config(**SMALL), common.Config(**{**SMALL, **MOE})
     d, flops = SMALL["d_model"], {}
     for name, config in (("dense", dense), ("moe", moe)):
@@ -264,8 +265,8 @@ def test_a_token_costs_its_top_k_experts():
         flops[name] = common.flops_per_token(config, params)
     mlp = d * 4 * d + 4 * d + 4 * d * d + d
     assert flops["moe"] - flops["dense"] == 6 * SMALL["layers"] * (
-        (MOE["top_k"] - 1 + MOE["shared_experts"]) * mlp + d * MOE["experts"]
-    )
+        (MOE["top_k"] - 1 + MOE["shared_experts"]) * mlp + (d + 1) * MOE["experts"]
+    )  # the router's kernel, and its balance bias (an add, counted as the other biases are)
 
 
 def test_one_expert_per_token_still_teaches_the_router():
