@@ -821,11 +821,12 @@ class MoeMlp(nn.Module):
             name="router",
         )
         probs = jax.nn.softmax(router(x.astype(jnp.float32)))  # [rows, length, experts]
-        gate, expert = jax.lax.top_k(probs, c.top_k)  # [rows, length, k]
-        if c.router_bias_rate:  # the bias chooses the experts; their probabilities weigh them
+        scores = probs
+        if c.router_bias_rate:  # a balance bias (load_of) chooses the experts, but weighs none
             bias = self.param("router_bias", _zeros((None,)), (c.experts,))
-            expert = jax.lax.top_k(probs + bias, c.top_k)[1]
-            gate = jnp.take_along_axis(probs, expert, -1)
+            scores = probs + bias
+        expert = jax.lax.top_k(scores, c.top_k)[1]  # [rows, length, k]
+        gate = jnp.take_along_axis(probs, expert, -1)  # their weights: their probabilities
         if c.top_k > 1:  # renormalised over the k (Mixtral); one expert's, as Switch, is not:
             gate = gate / gate.sum(-1, keepdims=True)  # 1 always, the router would not learn
         chosen = jax.nn.one_hot(expert, c.experts)  # [rows, length, k, experts]
@@ -848,7 +849,7 @@ class MoeMlp(nn.Module):
         mean_probs = self.hooks.whole_sequence(probs.sum(1)[:, None]).sum(1) / whole
         balance = c.experts * jnp.sum(share * mean_probs, -1)
         aux_loss_sum = c.router_aux_weight * length * balance.sum()
-        if c.router_bias_rate:  # the bias's entry in the gradient: its experts' loads (see below)
+        if c.router_bias_rate:  # the bias's entry in the gradient: its experts' excess load
             load = chosen.sum((0, 1, 2)) / c.top_k - rows * length / c.experts
             aux_loss_sum = aux_loss_sum + load_of(bias, load)
         stats = {
