@@ -541,13 +541,17 @@ def test_context_parallel_matches_on_eight():
 # Through every other strategy (the parity matrix, docs/parity.md) the mixture of experts moves
 # further where its experts' matmuls are split over 'model' (logical_tp and logical_fsdp_tp:
 # 5.6e-5, 8.8e-3, 0.17 and 0.64) and on the interleaved pipeline's 4 layers (gradient norm
-# 1.0e-2): the bounds are about 1.5 times those, still far below a run that never updated a
-# parameter (1.0) or a gradient off by a constant factor.
+# 1.0e-2): the bounds were about 1.5 times those. The tests' mixture now also has a shared
+# expert and a balance bias, whose +-0.001 steps follow the sign of each expert's excess load:
+# a choice flipped by bfloat16's rounding can flip a step, which changes later routing. Measured
+# through every strategy: loss 2.8e-4 (pjit_tp), gradient norm 9.3e-3 (logical_hsdp), update
+# 0.23 (explicit_fsdp_tp), so the bounds are about twice those, still far below a run that never
+# updated a parameter (1.0) or a gradient off by a constant factor.
 # And it is bfloat16: the gradient norm is at least 3.5e-4 from float32's (pipeline interleaved;
 # the MoE 4.6e-3), where two float32 runs agree to 1e-6: BF16_FROM_FLOAT32 is between.
 BF16 = {"dtype": "bfloat16", "steps": 5}
 BF16_RTOL = (5e-5, 6e-3, 6e-2)  # loss, gradient norm, parameters (against their update)
-BF16_MOE_RTOL = (3e-4, 1.5e-2, 0.25)
+BF16_MOE_RTOL = (6e-4, 2e-2, 0.5)
 BF16_LARGEST, BF16_MOE_LARGEST = 0.15, 0.9  # any element, of its parameter's largest value
 BF16_FROM_FLOAT32 = 1e-4
 
