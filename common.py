@@ -179,7 +179,9 @@ class TrainingConfig:
 #
 # check_model (below the banner) tests all of this before anything is compiled, in one line per
 # breach. Activations carry logical constraints (nn.with_logical_constraint), inert unless a
-# script installs rules.
+# script installs rules: ("batch", "length", "act_embed") on the residual stream, and whole
+# along the sequence ("batch", None, "act_embed") where a norm's output enters a matmul, so that
+# sequence parallelism (pjit_tp.py --sequence-parallel) splits the one and gathers the other.
 # ----------------------------------------------------------------------------------------------
 
 
@@ -210,6 +212,12 @@ def _layer_norm(config, name):
         bias_init=_zeros(("norm",)),
         name=name,
     )
+
+
+def _whole_sequence(x):
+    """x [batch, length, features] whole along the sequence: a matmul's input, which sequence
+    parallelism (rules mapping 'length') gathers here; one device's layout otherwise."""
+    return nn.with_logical_constraint(x, ("batch", None, "act_embed"))
 
 
 def _residual_scale(config):
@@ -304,6 +312,7 @@ class Embed(Piece):
         c = self.config
         embed = functools.partial(nn.Embed, features=c.d_model, dtype=c.dtype)
         x = embed(c.vocab_size, embedding_init=_init(("vocab", "embed")), name="token")(tokens)
+        x = _whole_sequence(x)  # the lookup's partial sums (a split vocabulary), added up
         positions = self.positions(tokens.shape[1])
         x = x + embed(c.seq_len, embedding_init=_init(("pos", "embed")), name="position")(positions)
         x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
@@ -330,6 +339,7 @@ class Attention(nn.Module):
             for t in (q, k, v)
         )
         x = self.attend(q, k, v)
+        x = nn.with_logical_constraint(x, ("batch", "length", "act_heads", None))
         x = _dense(c, c.d_model, ("heads", "embed"), "out", _residual_scale(c))(
             x.reshape(*x.shape[:-2], -1)
         )
@@ -353,9 +363,9 @@ class Block(Piece):
     @nn.compact
     def __call__(self, x, deterministic):
         x = x + Attention(self.config, self.attend, name="attn")(
-            _layer_norm(self.config, "ln1")(x), deterministic
+            _whole_sequence(_layer_norm(self.config, "ln1")(x)), deterministic
         )
-        h = _layer_norm(self.config, "ln2")(x)
+        h = _whole_sequence(_layer_norm(self.config, "ln2")(x))
         if self.config.experts:
             h, stats = MoeMlp(self.config, self.hooks, name="mlp")(h, deterministic)
         else:
@@ -368,7 +378,7 @@ class Head(Piece):
     @nn.compact
     def __call__(self, x, deterministic):  # the signature of every piece, so one wrap fits all
         c = self.config
-        x = _layer_norm(c, "ln_f")(x)
+        x = _whole_sequence(_layer_norm(c, "ln_f")(x))
         if c.tie_embeddings:  # the token embedding's table (tied: model_pieces), as the kernel
             table = nn.Embed(
                 c.vocab_size, c.d_model, embedding_init=_init(("vocab", "embed")), name="token"

@@ -52,6 +52,14 @@ class Config(common.Config):
     mesh: str = common.arg(
         "auto", "mesh axis sizes, e.g. data=2,context=4; 'auto' gives that on 8 devices"
     )
+    attention_split: str = common.arg(
+        "ring",
+        "how attention reaches the keys and values of the other pieces: ring (N - 1 hops of a "
+        "block, never a whole sequence's keys on a device), all-gather (every key and value "
+        "gathered once per layer) or ulysses (all-to-alls trade the sequence split for a split "
+        "of the heads, which 'context' must divide)",
+        choices=("ring", "all-gather", "ulysses"),
+    )
 
     def mesh_axes(self):
         n = jax.device_count()
@@ -64,14 +72,23 @@ class Config(common.Config):
         return self.mesh_axes()["data"]
 
     def validate(self):
-        super().validate()
         common.require(
-            self.attention != "cudnn",
+            self.attention != "cudnn" or self.attention_split == "ulysses",
             "attention",
-            "cudnn: context_parallel.py computes attention itself, block by block around the "
-            "ring, e.g. --attention auto",
+            f"cudnn: --attention-split {self.attention_split} computes attention itself, from "
+            "pieces of the sequence; cuDNN's kernel runs under --attention-split ulysses, or "
+            "use --attention auto",
         )
-        pieces = 2 * self.mesh_axes()["context"]
+        super().validate()
+        context = self.mesh_axes()["context"]
+        common.require(
+            self.attention_split != "ulysses" or self.heads % context == 0,
+            "heads",
+            f"{self.heads} under --attention-split ulysses: each device of 'context' attends "
+            f"with heads / context of the heads, so context={context} must divide them, e.g. "
+            f"--heads {context * max(1, self.heads // context)}",
+        )
+        pieces = 2 * context
         common.require(
             self.seq_len % pieces == 0,
             "seq_len",
@@ -195,6 +212,45 @@ def ring_attention(q, k, v):
     return (out / jnp.swapaxes(running_sum, 1, 2)[..., None]).astype(compute)
 
 
+def all_gather_attention(q, k, v):
+    """Causal attention of this device's queries to the whole sequence, every key and value
+    gathered from the devices of 'context' (one all-gather each per layer; its transpose, a
+    reduce-scatter, returns their gradients). The gathered keys are in the devices' order; each
+    one's global position (balanced_order) decides what the mask hides, so the causal load stays
+    balanced as in the ring. Computed in float32, as ring_attention is and for the same reason:
+    a key's gradient sums the contributions of every device's queries."""
+    devices = lax.axis_size("context")
+    compute = q.dtype
+    q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+    k, v = (lax.all_gather(x, "context", axis=1, tiled=True) for x in (k, v))
+    key_positions = jnp.asarray(balanced_order(k.shape[1], devices))
+    visible = positions(q.shape[1])[:, None] >= key_positions[None, :]
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
+    weights = jax.nn.softmax(jnp.where(visible, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v).astype(compute)
+
+
+def ulysses_attention(q, k, v, attend):
+    """Causal attention by DeepSpeed-Ulysses: an all-to-all over 'context' trades each device's
+    pieces of the sequence for all of it, on heads / N of the heads; `attend` (one device's
+    attention, any kernel) runs on the whole sequences of those heads; one all-to-all trades
+    back. Four all-to-alls per layer forward (q, k, v, the output), four backward (the
+    transpose of an all-to-all is the all-to-all back)."""
+    devices = lax.axis_size("context")
+    order = balanced_order(q.shape[1] * devices, devices)  # the gathered positions' order
+    back = np.argsort(order)  # ... and how to put them back in sequence order
+
+    def heads_split(x):  # [b, L/N, h, d] -> [b, L, h/N, d], in sequence order
+        x = lax.all_to_all(x, "context", split_axis=2, concat_axis=1, tiled=True)
+        return x[:, back]
+
+    out = attend(*(heads_split(x) for x in (q, k, v)))
+    return lax.all_to_all(out[:, order], "context", split_axis=1, concat_axis=2, tiled=True)
+
+
+ATTENTION_SPLITS = {"ring": ring_attention, "all-gather": all_gather_attention}
+
+
 def init_state(config, mesh, shapes_only=False):
     create = functools.partial(common.create_state, config, make_model(config))
     create = jax.jit(create, out_shardings=NamedSharding(mesh, STATE_SPEC))
@@ -210,8 +266,17 @@ def whole_sequence(x):
     return lax.all_gather(x, "context", axis=1, tiled=True)
 
 
+@functools.cache  # one model per config: the state holds it, and a state of equal config an equal one
 def make_model(config):
-    hooks = common.Hooks(attend=ring_attention, positions=positions, whole_sequence=whole_sequence)
+    if config.attention_split == "ulysses":  # one device's attention, on whole sequences
+        kernel = common.attention_kernel(config)
+        attend = functools.partial(
+            ulysses_attention,
+            attend=functools.partial(common.causal_attention, implementation=kernel),
+        )
+    else:
+        attend = ATTENTION_SPLITS[config.attention_split]
+    hooks = common.Hooks(attend=attend, positions=positions, whole_sequence=whole_sequence)
     return common.make_model(config, hooks=hooks)
 
 
@@ -279,11 +344,12 @@ def main(config):
     report = {
         **common.cost_report(config, state, compiled, compile_seconds),
         "attention_blocks_per_device": work,
+        "attention_split": config.attention_split,
     }
     layout = (
         f"mesh data={mesh.shape['data']},context={mesh.shape['context']}, sequences in "
-        f"{2 * mesh.shape['context']} pieces, {work[0]} attention blocks per device, state "
-        "replicated"
+        f"{2 * mesh.shape['context']} pieces, {config.attention_split} attention, {work[0]} "
+        "attention blocks per device, state replicated"
     )
     log = common.Logger(config, dataset, layout, report, state.params, start)
     try:

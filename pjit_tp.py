@@ -41,6 +41,7 @@ import optax
 import common
 
 import re
+import flax.linen as nn
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -49,6 +50,12 @@ from jax.sharding import PartitionSpec as P
 class Config(common.Config):
     mesh: str = common.arg(
         "auto", "mesh axis sizes, e.g. data=2,model=4; 'auto' gives that on 8 devices"
+    )
+    sequence_parallel: bool = common.arg(
+        False,
+        "Megatron sequence parallelism: between the matmuls (the residual stream, the norms, "
+        "dropout) every activation is split along the sequence over 'model', 1/model of it "
+        "per device; --seq-len must split evenly",
     )
 
     def mesh_axes(self):
@@ -74,6 +81,13 @@ class Config(common.Config):
             "mesh",
             f"model={model} must divide --heads {self.heads}, e.g. --mesh "
             f"data={auto['data']},model={auto['model']}",
+        )
+        common.require(
+            not self.sequence_parallel or self.seq_len % model == 0,
+            "seq_len",
+            f"{self.seq_len} under --sequence-parallel: split along the sequence over "
+            f"model={model}, it must be a multiple of it, e.g. --seq-len "
+            f"{model * max(1, self.seq_len // model)}",
         )
         # Every parameter in PARAM_SPECS: all the ones missing named at once, with their entries
         missing = uncovered(self)
@@ -118,6 +132,20 @@ PARAM_SPECS = (
     ),
 )
 BATCH_SPEC = P("data")  # rows split over 'data'
+# --sequence-parallel: the activations' logical names (common.py's constraints) -> mesh axes. The
+# heads, MLP units and vocabulary over 'model' inside attention, the MLP and the head, as above;
+# everywhere else the sequence ('length') over 'model': the residual stream, the norms and
+# dropout. The first rule whose mesh axis is free wins, so an activation split by heads keeps its
+# whole sequence. A norm's output is marked whole along the sequence: gathered (all-gather)
+# before each column-parallel matmul; after each row-parallel one, the partial sums are added
+# up straight into sequence pieces (a reduce-scatter in place of the all-reduce).
+SEQUENCE_PARALLEL = (
+    ("batch", "data"),
+    ("act_heads", "model"),
+    ("act_mlp", "model"),
+    ("act_vocab", "model"),
+    ("length", "model"),
+)
 
 
 def uncovered(config):
@@ -213,13 +241,20 @@ def main(config):
     # Compiled for the shapes of the state and of a batch, before either exists: a step too big
     # for the devices stops here, with one line, before anything is allocated.
     batch_shapes = common.batch_shape(config, NamedSharding(mesh, BATCH_SPEC))
-    compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
+    # The activations' logical constraints resolve against these rules while tracing (none
+    # without --sequence-parallel: the compiler lays the activations out from the parameters).
+    rules = SEQUENCE_PARALLEL if config.sequence_parallel else ()
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
     state = init_state(config, mesh)
     checkpoints = common.Checkpoints(config)
     state, start = checkpoints.restore(state)
     eval_data = [device_batch(b, mesh) for b in common.eval_batches(dataset, config)]
     report = common.cost_report(config, state, compiled, compile_seconds)
-    layout = f"mesh data={mesh.shape['data']},model={mesh.shape['model']}, Megatron tensor parallel"
+    layout = (
+        f"mesh data={mesh.shape['data']},model={mesh.shape['model']}, Megatron tensor parallel"
+        + (", sequence parallel" if config.sequence_parallel else "")
+    )
     log = common.Logger(config, dataset, layout, report, state.params, start)
     try:
         # Made ahead, in a thread
@@ -229,7 +264,8 @@ def main(config):
             state, metrics = compiled(state, batch)
             log.log(step, metrics)
             if log.eval_due(step):
-                log.eval(step, eval_fn, state, eval_data)
+                with jax.set_mesh(mesh), nn.logical_axis_rules(rules):  # traced the first time
+                    log.eval(step, eval_fn, state, eval_data)
             if checkpoints.save(step, state, log):  # Ctrl-C or SIGTERM: saved, stop
                 break
     finally:

@@ -831,12 +831,29 @@ def check_collectives(module, config, result, specs, mesh):
             (r * row + a, r * row + b) for r in range(mesh.shape["data"]) for a, b in neighbours
         }
         assert all(pairs in (ring, {(b, a) for a, b in ring}) for pairs, _ in permutes)
-    if module is context_parallel:  # per layer N - 1 hops of a key and a value block, and back
-        hops = layers * 2 * 2 * (mesh.shape["context"] - 1) * micro
-        assert count("collective-permute") == hops, (count("collective-permute"), hops)
-        allowed = {"all-reduce", "collective-permute"} | (
-            {"all-gather", "reduce-scatter"} if config.experts else set()
-        )
+    if module is context_parallel:
+        context, split = frozenset(device_groups(mesh, ["context"])), config.attention_split
+        rows = config.batch_size // mesh.shape["data"] // micro
+        # One key's or value's block of a device, and the whole sequence's: float32 (ring and
+        # all-gather compute in it), or the compute dtype (Ulysses sends the activations as are)
+        block = rows * config.seq_len // mesh.shape["context"] * config.d_model
+        sizes = [nbytes for op, g, _, nbytes, _ in found if g == context and op != "all-reduce"]
+        if split == "ring":  # per layer N - 1 hops of a key and a value block, and back
+            hops = layers * 2 * 2 * (mesh.shape["context"] - 1) * micro
+            assert count("collective-permute") == hops, (count("collective-permute"), hops)
+            moved = {"collective-permute"}
+        elif split == "all-gather":  # per layer the keys and values gathered, their grads back
+            gathered, n = block * mesh.shape["context"] * 4, 2 * layers * micro
+            if not config.experts:  # (whose routing gathers over 'context' too)
+                assert count("all-gather", context) == count("reduce-scatter", context) == n
+                assert set(sizes) == {gathered}, (sizes, gathered)
+            moved = {"all-gather", "reduce-scatter"}
+        else:  # Ulysses: per layer q, k, v to a head split and the output back, and backward
+            assert count("all-to-all", context) == 8 * layers * micro, count("all-to-all", context)
+            if not config.experts:
+                assert set(sizes) == {block * jnp.dtype(config.dtype).itemsize}, sizes
+            moved = {"all-to-all"}
+        allowed = {"all-reduce"} | moved | ({"all-gather", "reduce-scatter"} if config.experts else set())
         assert ops <= allowed, ops
     if module is expert_parallel:
         expert = frozenset(device_groups(mesh, ["expert"]))

@@ -102,6 +102,15 @@ STRATEGIES.update(
         for rules in explicit_sharding.RULES
     }
 )
+# context_parallel.py's other two splits of attention (the ring is its default)
+STRATEGIES.update(
+    {
+        f"context_{split.replace('-', '_')}": (context_parallel, {"attention_split": split})
+        for split in ("all-gather", "ulysses")
+    }
+)
+# Tensor parallelism with Megatron's sequence parallelism, by table, by rules and in the types
+STRATEGIES["pjit_tp_sp"] = (pjit_tp, {"sequence_parallel": True})
 # expert_parallel.py trains a mixture of experts only: data=2,expert=4 ('auto') and data=1,expert=8.
 STRATEGIES["expert_parallel"] = (expert_parallel, MOE)
 STRATEGIES["expert_parallel_8"] = (expert_parallel, {**MOE, "mesh": "data=1,expert=8"})
