@@ -266,7 +266,7 @@ def whole_sequence(x):
     return lax.all_gather(x, "context", axis=1, tiled=True)
 
 
-@functools.cache  # one model per config: the state holds it, and a state of equal config an equal one
+@functools.cache  # one model per config: the state holds it, and equal configs make equal states
 def make_model(config):
     if config.attention_split == "ulysses":  # one device's attention, on whole sequences
         kernel = common.attention_kernel(config)

@@ -9,6 +9,7 @@ names (as in logical_pjit.py, so one table per preset trains any model); --rules
   fsdp     the batch and every parameter's 'embed' axis over all devices (as fsdp.py)
   hsdp     fsdp within groups along 'model', replicated across 'data'
   tp       the batch over 'data'; heads, MLP units and the vocabulary over 'model' (as pjit_tp.py)
+  tp_sp    tp, and the sequence over 'model' between the matmuls (pjit_tp.py --sequence-parallel)
   fsdp_tp  tp, plus every parameter's 'embed' axis over 'data' (2-D sharding)
 A step: the single-device step, and jit partitions it from the types of the state and the
 batch: no in_shardings or out_shardings. Every change of layout is written where it happens,
@@ -66,6 +67,19 @@ RULES = {
         ("act_heads", "model"),
         ("act_mlp", "model"),
         ("act_vocab", "model"),
+    ),
+    # tp, and Megatron's sequence parallelism: between the matmuls (the residual stream, the
+    # norms, dropout) the sequence split over 'model'. The first rule whose mesh axis is free
+    # wins: an activation split by heads, MLP units or vocabulary keeps its whole sequence.
+    "tp_sp": (
+        ("batch", "data"),
+        ("heads", "model"),
+        ("mlp", "model"),
+        ("vocab", "model"),
+        ("act_heads", "model"),
+        ("act_mlp", "model"),
+        ("act_vocab", "model"),
+        ("length", "model"),
     ),
     "fsdp_tp": (
         ("batch", "data"),
@@ -133,6 +147,13 @@ class Config(common.Config):
             f'("{next(iter(unknown), "")}", "model")), or add them to UNSPLIT to keep them '
             f"whole: {', '.join(map(repr, unknown))}",
         )
+        common.require(
+            self.seq_len % self.axis_size("length") == 0,
+            "seq_len",
+            f"{self.seq_len} under --rules {self.rules}: split {self.axis_size('length')} ways "
+            f"along the sequence, it must be a multiple of that, e.g. --seq-len "
+            f"{self.axis_size('length') * max(1, self.seq_len // self.axis_size('length'))}",
+        )
         for path, box in common.logical_names(self):
             for name, size in zip(box.names, box.value.shape, strict=True):
                 common.require(
@@ -197,7 +218,21 @@ def say_where_sums_land(next_fun, args, kwargs, context):
     `dot_general` attribute, as common.ExpertDense) take their matmul with that out_sharding. A
     grouped matmul (common.ExpertDense given groups: dropless experts) always states its own.
     A dropout mask for a split activation is drawn split the same way (dropout, below)."""
+    return where_sums_land(next_fun, args, kwargs, context, sequence=None)
+
+
+def where_sums_land(next_fun, args, kwargs, context, sequence):
+    """say_where_sums_land, and with `sequence` (the mesh axis of --rules tp_sp: Megatron's
+    sequence parallelism) the sequence split between the matmuls: a matmul's input [rows,
+    length, features] is gathered whole along the sequence (an all-gather; its transpose, a
+    reduce-scatter of the gradient), and a row-parallel matmul's partial sums are added up
+    straight into sequence pieces (a reduce-scatter in place of the all-reduce). A mixture of
+    experts routes whole sequences: its input is gathered, its output split again."""
     module = context.module
+    if sequence and context.method_name == "__call__" and isinstance(module, common.MoeMlp):
+        (x, *rest) = args
+        out, stats = next_fun(whole_along_sequence(x), *rest, **kwargs)
+        return reshard(out, split_along_sequence(out, sequence)), stats
     if context.method_name == "__call__" and isinstance(module, nn.Embed):
         (tokens,) = args
         (table,) = module.promote_dtype(module.embedding, dtype=module.dtype, inexact=False)
@@ -222,13 +257,30 @@ def say_where_sums_land(next_fun, args, kwargs, context):
         kernel = module.variables["params"]["kernel"]
         x_spec, kernel_spec = jax.typeof(x).sharding.spec, jax.typeof(kernel).sharding.spec
         contracted = axes_of(kernel_spec[-2])  # the kernel's input axis: [..., in, out]
+        in_sequence = sequence and x.ndim == 3  # [rows, length, features]
         if contracted and contracted == axes_of(x_spec[-1]):
             out = P(*x_spec[:-1], kernel_spec[-1])
+            if in_sequence:  # the sums land in sequence pieces: a reduce-scatter
+                out = P(x_spec[0], sequence, kernel_spec[-1])
             matmul = functools.partial(jax.lax.dot_general, out_sharding=out)
             return module.clone(parent=None, dot_general=matmul).apply(
                 {"params": module.variables["params"]}, x
             )
+        if in_sequence:  # a column-parallel matmul (or a whole one) takes the whole sequence
+            return next_fun(whole_along_sequence(x), **kwargs)
     return next_fun(*args, **kwargs)
+
+
+def whole_along_sequence(x):
+    """x [rows, length, ...] gathered along the sequence, its other axes split as they are."""
+    spec = jax.typeof(x).sharding.spec
+    return reshard(x, P(spec[0], None, *spec[2:]))
+
+
+def split_along_sequence(x, sequence):
+    """The spec of x [rows, length, ...] split along the sequence over `sequence`."""
+    spec = jax.typeof(x).sharding.spec
+    return P(spec[0], sequence, *spec[2:])
 
 
 def grouped_matmul(x, kernel, group_sizes, dimensions):
@@ -293,9 +345,11 @@ def laid_out_inside(piece, batch_axes):
     return Inside
 
 
-def explicit_layout(batch_axes):
+def explicit_layout(batch_axes, sequence=None):
     """The `wrap` of the model contract (common.Model): each piece gathers its parameters for
-    use, and states the layouts explicit mode asks for, whatever the model's layers."""
+    use, and states the layouts explicit mode asks for, whatever the model's layers. With
+    `sequence` (--rules tp_sp), each piece takes its input split along the sequence over it."""
+    intercept = functools.partial(where_sums_land, sequence=sequence)
 
     def wrap(piece):
         gathered = functools.partial(gather_for_use, batch_axes=batch_axes)
@@ -306,7 +360,9 @@ def explicit_layout(batch_axes):
 
         class Explicit(nn.map_variables(piece, "params", trans_in_fn=gathered)):
             def __call__(self, x, deterministic):
-                with nn.intercept_methods(say_where_sums_land):
+                if sequence:  # the residual stream (or the tokens) split along the sequence
+                    x = reshard(x, split_along_sequence(x, sequence))
+                with nn.intercept_methods(intercept):
                     return super().__call__(x, deterministic)
 
         return Explicit
@@ -326,8 +382,9 @@ def explicit_model(config):
         common.causal_attention, implementation=common.attention_kernel(config)
     )
     hooks = common.Hooks(attend=functools.partial(attend_as_queries, attend=attend))
-    batch_axes = axes_of(dict(RULES[config.rules])["batch"])
-    return common.make_model(config, wrap=explicit_layout(batch_axes), hooks=hooks)
+    rules = dict(RULES[config.rules])
+    wrap = explicit_layout(axes_of(rules["batch"]), rules.get("length"))
+    return common.make_model(config, wrap=wrap, hooks=hooks)
 
 
 def init_state(config, mesh, shapes_only=False):

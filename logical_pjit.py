@@ -9,6 +9,7 @@ nn.with_logical_constraint, in common.py. A rules table maps those names to the 
   hsdp     fsdp within groups along 'model', replicated across 'data' (as fsdp.py --mesh
            replica=R,data=M: here 'data' holds the replicas and 'model' the shard groups)
   tp       the batch over 'data'; heads, MLP units and the vocabulary over 'model' (as pjit_tp.py)
+  tp_sp    tp, and the sequence over 'model' between the matmuls (pjit_tp.py --sequence-parallel)
   fsdp_tp  tp, plus every parameter's 'embed' axis over 'data' (2-D sharding)
 A step: the step is written for one device, and jit partitions it (GSPMD) from the
 shardings of its inputs and outputs, inserting the collectives itself.
@@ -59,6 +60,19 @@ RULES = {
         ("act_heads", "model"),
         ("act_mlp", "model"),
         ("act_vocab", "model"),
+    ),
+    # tp, and Megatron's sequence parallelism: between the matmuls (the residual stream, the
+    # norms, dropout) the sequence split over 'model'. The first rule whose mesh axis is free
+    # wins: an activation split by heads, MLP units or vocabulary keeps its whole sequence.
+    "tp_sp": (
+        ("batch", "data"),
+        ("heads", "model"),
+        ("mlp", "model"),
+        ("vocab", "model"),
+        ("act_heads", "model"),
+        ("act_mlp", "model"),
+        ("act_vocab", "model"),
+        ("length", "model"),
     ),
     "fsdp_tp": (
         ("batch", "data"),
@@ -125,6 +139,13 @@ class Config(common.Config):
             + ", and UNSPLIT does not name them: add a rule for each to RULES (e.g. "
             f'("{next(iter(unknown), "")}", "model")), or add them to UNSPLIT to keep them '
             f"whole: {', '.join(map(repr, unknown))}",
+        )
+        common.require(
+            self.seq_len % self.axis_size("length") == 0,
+            "seq_len",
+            f"{self.seq_len} under --rules {self.rules}: split {self.axis_size('length')} ways "
+            f"along the sequence, it must be a multiple of that, e.g. --seq-len "
+            f"{self.axis_size('length') * max(1, self.seq_len // self.axis_size('length'))}",
         )
         for path, box in common.logical_names(self):
             for name, size in zip(box.names, box.value.shape, strict=True):

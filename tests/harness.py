@@ -111,6 +111,7 @@ STRATEGIES.update(
 )
 # Tensor parallelism with Megatron's sequence parallelism, by table, by rules and in the types
 STRATEGIES["pjit_tp_sp"] = (pjit_tp, {"sequence_parallel": True})
+# (logical_tp_sp and explicit_tp_sp come with their scripts' presets, above)
 # expert_parallel.py trains a mixture of experts only: data=2,expert=4 ('auto') and data=1,expert=8.
 STRATEGIES["expert_parallel"] = (expert_parallel, MOE)
 STRATEGIES["expert_parallel_8"] = (expert_parallel, {**MOE, "mesh": "data=1,expert=8"})

@@ -49,6 +49,17 @@ def rotary(x, positions):
     return jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).astype(x.dtype)
 
 
+# The activations' logical names, as common.py's GPT gives them, so that rules splitting the
+# sequence (pjit_tp.py --sequence-parallel, --rules tp_sp) split the residual stream and gather
+# a norm's output for the matmuls after it; without such rules they change nothing.
+def residual_stream(x):
+    return nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
+
+
+def whole_sequence(x):
+    return nn.with_logical_constraint(x, ("batch", None, "act_embed"))
+
+
 class Embed(common.Piece):
     @nn.compact
     def __call__(self, tokens, deterministic):
@@ -60,7 +71,8 @@ class Embed(common.Piece):
             dtype=c.dtype,
             name="token",
         )
-        return nn.Dropout(c.dropout)(x(tokens), deterministic=deterministic)
+        x = nn.Dropout(c.dropout)(whole_sequence(x(tokens)), deterministic=deterministic)
+        return residual_stream(x)
 
 
 class Block(common.Piece):
@@ -72,7 +84,7 @@ class Block(common.Piece):
             c.heads // GROUP,
             (2 * c.layers) ** -0.5,
         )
-        h = RMSNorm(name="attn_norm")(x)
+        h = whole_sequence(RMSNorm(name="attn_norm")(x))
         q = _dense(c, c.d_model, ("embed", "heads"), "q")(h).reshape(
             *h.shape[:-1], c.heads, head_dim
         )
@@ -86,7 +98,8 @@ class Block(common.Piece):
         x = x + nn.Dropout(c.dropout)(
             _dense(c, c.d_model, ("heads", "embed"), "o", residual)(attended), deterministic
         )
-        h = RMSNorm(name="mlp_norm")(x)
+        x = residual_stream(x)
+        h = whole_sequence(RMSNorm(name="mlp_norm")(x))
         hidden = 8 * c.d_model // 3 // 16 * 16 or 16  # SwiGLU's usual width: 2/3 of 4 x d_model
         gated = nn.silu(_dense(c, hidden, ("embed", "mlp"), "gate")(h)) * _dense(
             c, hidden, ("embed", "mlp"), "up"
@@ -94,13 +107,13 @@ class Block(common.Piece):
         x = x + nn.Dropout(c.dropout)(
             _dense(c, c.d_model, ("mlp", "embed"), "down", residual)(gated), deterministic
         )
-        return x, None
+        return residual_stream(x), None
 
 
 class Head(common.Piece):
     @nn.compact
     def __call__(self, x, deterministic):
         logits = _dense(self.config, self.config.vocab_size, ("embed", "vocab"), "out")(
-            RMSNorm(name="norm")(x)
+            whole_sequence(RMSNorm(name="norm")(x))
         )
         return logits.astype(jnp.float32)
