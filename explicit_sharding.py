@@ -231,13 +231,18 @@ def where_sums_land(next_fun, args, kwargs, context, sequence):
     module = context.module
     if sequence and context.method_name == "__call__" and isinstance(module, common.MoeMlp):
         (x, *rest) = args
-        out, stats = next_fun(whole_along_sequence(x), *rest, **kwargs)
-        return reshard(out, split_along_sequence(out, sequence)), stats
+        out, stats = next_fun(along_sequence(x, None), *rest, **kwargs)
+        return along_sequence(out, sequence), stats
     if context.method_name == "__call__" and isinstance(module, nn.Embed):
         (tokens,) = args
         (table,) = module.promote_dtype(module.embedding, dtype=module.dtype, inexact=False)
-        features = jax.typeof(table).sharding.spec[-1]
-        return table.at[tokens].get(out_sharding=P(*jax.typeof(tokens).sharding.spec, features))
+        features, spec = jax.typeof(table).sharding.spec[-1], jax.typeof(tokens).sharding.spec
+        if sequence and tokens.ndim == 1:  # positions, [length]: their pieces of the table
+            return table.at[tokens].get(out_sharding=P(sequence, features))
+        looked_up = table.at[tokens].get(out_sharding=P(*spec, features))
+        if sequence and tokens.ndim == 2:  # the lookup's sums (a split table) into pieces
+            return reshard(looked_up, P(spec[0], sequence, features))
+        return looked_up
     if context.method_name == "__call__" and isinstance(module, nn.Dropout):
         return dropout(module, *args, **kwargs)
     if (
@@ -267,20 +272,15 @@ def where_sums_land(next_fun, args, kwargs, context, sequence):
                 {"params": module.variables["params"]}, x
             )
         if in_sequence:  # a column-parallel matmul (or a whole one) takes the whole sequence
-            return next_fun(whole_along_sequence(x), **kwargs)
+            return next_fun(along_sequence(x, None), **kwargs)
     return next_fun(*args, **kwargs)
 
 
-def whole_along_sequence(x):
-    """x [rows, length, ...] gathered along the sequence, its other axes split as they are."""
+def along_sequence(x, sequence):
+    """x [rows, length, ...] split along the sequence over `sequence`, or gathered whole along it
+    (None), its other axes split as they are."""
     spec = jax.typeof(x).sharding.spec
-    return reshard(x, P(spec[0], None, *spec[2:]))
-
-
-def split_along_sequence(x, sequence):
-    """The spec of x [rows, length, ...] split along the sequence over `sequence`."""
-    spec = jax.typeof(x).sharding.spec
-    return P(spec[0], sequence, *spec[2:])
+    return reshard(x, P(spec[0], sequence, *spec[2:]))
 
 
 def grouped_matmul(x, kernel, group_sizes, dimensions):
@@ -360,8 +360,10 @@ def explicit_layout(batch_axes, sequence=None):
 
         class Explicit(nn.map_variables(piece, "params", trans_in_fn=gathered)):
             def __call__(self, x, deterministic):
-                if sequence:  # the residual stream (or the tokens) split along the sequence
-                    x = reshard(x, split_along_sequence(x, sequence))
+                if sequence and jnp.issubdtype(x.dtype, jnp.floating):  # the residual stream
+                    # split along the sequence; the head's input gathered whole, for whatever
+                    # contraction makes its logits (a tied table's is no nn.Dense)
+                    x = along_sequence(x, None if self.name == "head" else sequence)
                 with nn.intercept_methods(intercept):
                     return super().__call__(x, deterministic)
 

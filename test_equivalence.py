@@ -1142,6 +1142,63 @@ def test_tensor_parallelism_is_megatron(name):
     assert summary["collectives"]["all-gather"]["bytes"] < 0.1 * summary["param_bytes"]
 
 
+def users_shapes(hlo, name):
+    """The result shapes of the instructions that use %name (through a tuple's elements too)."""
+    shapes = []
+    for line in hlo.splitlines():
+        used = re.match(r"\s*(?:ROOT )?%(\S+) = (\S+) (\S+)\(.*%" + re.escape(name) + r"[,)]", line)
+        if used and used.group(1) != name:
+            target, shape, op = used.groups()
+            if op == "get-tuple-element":
+                shapes += users_shapes(hlo, target)
+            else:
+                shapes.append(shape.split("{")[0])
+    return shapes
+
+
+@pytest.mark.parametrize("name", ["pjit_tp_sp", "logical_tp_sp", "explicit_tp_sp"])
+def test_sequence_parallelism_splits_the_residual_stream(name):
+    """Megatron's sequence parallelism: per block, each norm's output gathered along the sequence
+    over 'model' (an all-gather) before the column-parallel matmul, forward and its gradient
+    backward, 2 (2 x layers + 1) in all with the head's; each row-parallel matmul's partial sums
+    (4 x layers + 2 as in tensor parallelism, the embedding's and the head's input gradient's
+    included) added up into sequence pieces: a reduce-scatter, which XLA:CPU writes as an
+    all-reduce that every use reads a piece of. The same bytes move as without it, and the
+    temporaries per device fall: the residual stream, the norms and dropout hold 1/model of the
+    sequence."""
+    result, plain = run(name), run(name.removesuffix("_sp"))
+    hlo, model = result.compiled.as_text(), 4
+    rows, length, width = SMALL["batch_size"] // 2, SMALL["seq_len"], SMALL["d_model"]
+    activation, piece = rows * length * width * 4, f"f32[{rows},{length // model},{width}]"
+    gathers, reduces = [], []
+    for c in common.hlo_collectives(hlo):
+        groups = frozenset(replica_groups(c["line"]) or ())
+        if groups == frozenset(MODEL_GROUPS) and c["bytes"] >= activation:
+            name_ = re.match(r"\s*(?:ROOT )?%(\S+) =", c["line"]).group(1)
+            (gathers if c["op"] == "all-gather" else reduces).append((c, name_))
+    assert len(gathers) == 2 * (2 * SMALL["layers"] + 1)
+    assert all(c["bytes"] == activation and "dimensions={1}" in c["line"] for c, _ in gathers)
+    assert len(reduces) == 4 * SMALL["layers"] + 2, [c["op"] for c, _ in reduces]
+    # Each all-reduce's result read in sequence pieces: a reduce-scatter. (explicit_sharding.py
+    # gathers the head's input whole, before its norm, for any contraction making the logits, a
+    # tied table's too: the head's input gradient is the one all-reduce read whole there.)
+    whole = [
+        instruction
+        for c, instruction in reduces
+        if c["op"] == "all-reduce" and piece not in users_shapes(hlo, instruction)
+    ]
+    assert len(whole) <= name.startswith("explicit"), whole
+    # Tensor parallelism alone gathers no activation: it all-reduces them whole
+    assert not [
+        c
+        for c in common.hlo_collectives(plain.compiled.as_text())
+        if c["op"] == "all-gather" and c["bytes"] >= activation
+    ]
+    temporaries = result.summary["compiled_temp_bytes"], plain.summary["compiled_temp_bytes"]
+    print(f"\n{name}: temporaries {temporaries[0]:,} B per device, {temporaries[1]:,} without")
+    assert temporaries[0] < 0.8 * temporaries[1]
+
+
 def test_hsdp_shards_within_groups_and_replicates_across():
     """fsdp.py --mesh replica=2,data=4: 1/4 of the state per device; parameters gathered and
     gradients reduce-scattered within each group of 4, then all-reduced across the 2 groups."""
@@ -1265,26 +1322,36 @@ def test_causal_attention_work_is_balanced():
         ]
 
 
-def test_ring_attention_in_bfloat16_is_as_accurate_as_jax():
-    """Ring attention in bfloat16 (context=8, 1,024 positions) errs no more than 1.2 x as much as
-    jax.nn.dot_product_attention in bfloat16, in its output and in the gradients of q, k and v:
-    both compute the scores and the softmax in float32. (The reference is float32: its own error,
-    about 1e-7, is nothing beside bfloat16's, about 1e-3.)"""
+SPLITS = {
+    "ring": context_parallel.ring_attention,
+    "all-gather": context_parallel.all_gather_attention,
+    "ulysses": functools.partial(
+        context_parallel.ulysses_attention, attend=common.causal_attention
+    ),
+}
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_attention_split_in_bfloat16_is_as_accurate_as_jax(split):
+    """Each split of attention in bfloat16 (context=8, 1,024 positions, 16 heads) errs no more
+    than 1.2 x as much as jax.nn.dot_product_attention in bfloat16, in its output and in the
+    gradients of q, k and v: all compute the scores and the softmax in float32. (The reference is
+    float32: its own error, about 1e-7, is nothing beside bfloat16's, about 1e-3. Ulysses runs
+    JAX's attention on 16 / 8 heads per call: with one head per call, JAX's own errs 1.4 x more
+    in its gradients on XLA:CPU, hence 16 heads.)"""
     length, devices = 1024, 8
     # Auto axes: shard_map places the arrays, made on one device, as its in_specs say
     mesh = jax.make_mesh((devices,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
     order = context_parallel.balanced_order(length, devices)
     back = np.argsort(order)
     q, k, v, cotangent = (
-        jnp.asarray(np.random.default_rng(i).standard_normal((2, length, 4, 32)), jnp.bfloat16)
+        jnp.asarray(np.random.default_rng(i).standard_normal((2, length, 16, 32)), jnp.bfloat16)
         for i in range(4)
     )
 
-    def ring(q, k, v):
+    def split_attention(q, k, v):
         spec = P(None, "context")
-        attend = jax.shard_map(
-            context_parallel.ring_attention, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec
-        )
+        attend = jax.shard_map(SPLITS[split], mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
         return attend(q[:, order], k[:, order], v[:, order])[:, back]
 
     def out_and_grads(attend, dtype):
@@ -1293,19 +1360,20 @@ def test_ring_attention_in_bfloat16_is_as_accurate_as_jax():
 
     exact = out_and_grads(common.causal_attention, jnp.float32)
 
-    def errors(attend):
-        got = out_and_grads(attend, jnp.bfloat16)
+    def errors(attend, dtype=jnp.bfloat16):
+        got = out_and_grads(attend, dtype)
         return [
             float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b))
             for a, b in zip(got, exact, strict=True)
         ]
 
-    ring_errors, jax_errors = errors(ring), errors(common.causal_attention)
+    split_errors, jax_errors = errors(split_attention), errors(common.causal_attention)
     print(
-        f"\nbfloat16, relative to float32 (output, dq, dk, dv): ring {ring_errors}, JAX's "
-        f"{jax_errors}"
+        f"\nbfloat16, relative to float32 (output, dq, dk, dv): {split} {split_errors}, JAX's "
+        f"{jax_errors}; {split} in float32 {errors(split_attention, jnp.float32)}"
     )
-    assert all(r <= 1.2 * j for r, j in zip(ring_errors, jax_errors, strict=True))
+    assert all(r <= 1.2 * j for r, j in zip(split_errors, jax_errors, strict=True))
+    assert max(errors(split_attention, jnp.float32)) < 1e-5  # and in float32, the same numbers
 
 
 def test_attention_kernel_on_this_machine():
