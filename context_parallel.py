@@ -76,8 +76,8 @@ class Config(common.Config):
             self.attention != "cudnn" or self.attention_split == "ulysses",
             "attention",
             f"cudnn: --attention-split {self.attention_split} computes attention itself, from "
-            "pieces of the sequence; cuDNN's kernel runs under --attention-split ulysses, or "
-            "use --attention auto",
+            "pieces of the sequence; cuDNN's kernel runs under --attention-split ulysses, "
+            "e.g. --attention auto",
         )
         super().validate()
         context = self.mesh_axes()["context"]

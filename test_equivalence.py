@@ -1453,10 +1453,11 @@ SEVERAL = list(DEFAULTS.values()) + [
     "pipeline_gpipe",
     "pipeline_zero-bubble",
     "pipeline_interleaved",
+    *LONG,
 ]
 
 
-@pytest.mark.parametrize("name", matrix(SEVERAL, list(DEFAULTS.values())))
+@pytest.mark.parametrize("name", matrix(SEVERAL, list(DEFAULTS.values()) + LONG[:3]))
 def test_two_processes_match_one(name, tmp_path):
     """Each script from the command line, copied alone into a folder, as 2 processes x 4
     devices: the same losses as 1 process x 8. The run stops after the warmup steps, whose

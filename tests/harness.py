@@ -269,7 +269,13 @@ def run_script(script, tmp_path, *flags, env=None, timeout=300):
 
 
 def as_flags(settings):
-    return [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()]
+    """Config settings as command-line flags: --name=value, or --name / --no-name for a bool."""
+    return [
+        f"--{'' if value else 'no-'}{key.replace('_', '-')}"
+        if isinstance(value, bool)
+        else f"--{key.replace('_', '-')}={value}"
+        for key, value in settings.items()
+    ]
 
 
 def free_port():

@@ -74,6 +74,8 @@ PAIRS = [
     ("pipeline_1f1b", "logical_fsdp_tp"),
     ("context_parallel", "pjit_tp"),
     ("pipeline_interleaved", "fsdp"),  # stage s's groups s, s + stages, ... -> the blocks in order
+    ("context_parallel", "context_ulysses"),  # the ring's run, on with Ulysses
+    ("pjit_tp_sp", "context_all_gather"),  # sequence parallel -> the keys and values gathered
 ]
 
 
@@ -98,7 +100,7 @@ def balance_biases(result):
     }
 
 
-@pytest.mark.parametrize("writer, reader", matrix(PAIRS, PAIRS[:4]))
+@pytest.mark.parametrize("writer, reader", matrix(PAIRS, PAIRS[:4] + PAIRS[-2:]))
 def test_another_script_resumes(writer, reader, tmp_path):
     flags = model_flags(writer)
     resumed = check_resumes(writer, reader, flags, tmp_path, run(reader, **flags))

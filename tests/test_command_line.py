@@ -264,6 +264,26 @@ BAD_INPUTS = [
     ),
     # A CPU; the ring's own attention
     (["--attention", "cudnn"], ("fsdp", "context_parallel"), "--attention cudnn"),
+    (
+        ["--attention", "cudnn", "--attention-split", "all-gather"],
+        ("context_parallel",),
+        "--attention cudnn: --attention-split all-gather computes attention itself",
+    ),
+    (
+        ["--attention-split", "ulysses", "--heads", "2"],
+        ("context_parallel",),
+        "--heads 2 under --attention-split ulysses",
+    ),
+    (
+        ["--sequence-parallel", "--seq-len", "18"],
+        ("pjit_tp",),
+        "--seq-len 18 under --sequence-parallel",
+    ),
+    (
+        ["--rules", "tp_sp", "--seq-len", "18"],
+        ("logical_pjit", "explicit_sharding"),
+        "--seq-len 18 under --rules tp_sp",
+    ),
     (["--attention", "flash"], ("fsdp",), "argument --attention: invalid choice: 'flash'"),
 ]
 
