@@ -3089,11 +3089,10 @@ def _closing(text: str, start: int) -> int:
     raise ValueError(text)
 
 
-def hlo_collectives(hlo_text: str) -> list:
-    """Every collective of a compiled HLO module, as dicts: op, runs (per step: an op in a
-    while loop, from --scan-layers or --microbatches, runs once per iteration), bytes (per
-    device, the larger of its operands and its result) and its HLO line."""
-    computations, sizes, entry, current = {}, {}, None, None
+def _hlo_program(hlo_text: str):
+    """A compiled HLO module read into ({computation: [(name, opcode, operands, attributes,
+    line)]}, {instruction: its result's shape, as text}, the entry computation's name)."""
+    computations, shapes, entry, current = {}, {}, None, None
     for line in hlo_text.splitlines():
         if not line.startswith((" ", "}")) and line.endswith("{") and "%" in line:
             current = line.split("%")[1].split(" ")[0]
@@ -3101,11 +3100,57 @@ def hlo_collectives(hlo_text: str) -> list:
         elif current and (instruction := re.match(r"\s*(?:ROOT )?%(\S+) = (.*)$", line)):
             name, rest = instruction.groups()
             end = _closing(rest, 0) if rest.startswith("(") else rest.index(" ")
-            shape, rest = rest[:end], rest[end:].lstrip()
+            shapes[name], rest = rest[:end], rest[end:].lstrip()
             opcode, operands_end = rest[: rest.index("(")], _closing(rest, rest.index("("))
-            sizes[name] = _shape_bytes(shape)
             operands = re.findall(r"%([\w.\-]+)", rest[len(opcode) : operands_end])
             computations[current].append((name, opcode, operands, rest[operands_end:], line))
+    return computations, shapes, entry
+
+
+def hlo_flops(hlo_text: str) -> float:
+    """The FLOPs of the matmuls of one run of a compiled HLO module, per device: 2 x the
+    multiply-adds of every dot, a while loop's body times its known trip count (--microbatches,
+    --scan-layers, a pipeline's ticks), a conditional's costliest branch (so an upper bound
+    where its branches differ: the pipeline's ticks, ring attention's skipped blocks). XLA's
+    own cost analysis counts a loop's body once, whatever its trip count."""
+    computations, shapes, entry = _hlo_program(hlo_text)
+
+    def dims(name):
+        return [int(d) for d in _ARRAY.search(shapes[name]).group(2).split(",") if d]
+
+    @functools.cache
+    def flops(computation):
+        total = 0
+        for name, opcode, operands, attributes, _ in computations.get(computation, ()):
+            if opcode == "dot":
+                contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attributes)
+                lhs = dims(operands[0])
+                k = math.prod(lhs[int(i)] for i in contracted.group(1).split(",") if i)
+                total += 2 * math.prod(dims(name)) * k
+            elif opcode == "while":
+                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attributes)
+                body = re.search(r"\bbody=%([\w.\-]+)", attributes).group(1)
+                total += (int(trips.group(1)) if trips else 1) * flops(body)
+            elif opcode == "conditional":
+                listed = re.search(r"branch_computations=\{([^}]*)\}", attributes)
+                branches = re.findall(
+                    r"%([\w.\-]+)" if listed else r"(?:true|false)_computation=%([\w.\-]+)",
+                    listed.group(1) if listed else attributes,
+                )
+                total += max(flops(branch) for branch in branches)
+            else:
+                total += sum(map(flops, re.findall(r"\bcalls=%([\w.\-]+)", attributes)))
+        return total
+
+    return float(flops(entry))
+
+
+def hlo_collectives(hlo_text: str) -> list:
+    """Every collective of a compiled HLO module, as dicts: op, runs (per step: an op in a
+    while loop, from --scan-layers or --microbatches, runs once per iteration), bytes (per
+    device, the larger of its operands and its result) and its HLO line."""
+    computations, shapes, entry = _hlo_program(hlo_text)
+    sizes = {name: _shape_bytes(shape) for name, shape in shapes.items()}
     callers = {}
     for caller, instructions in computations.items():
         for *_, attributes, _ in instructions:
@@ -3152,10 +3197,18 @@ def cost_report(config: Config, state, compiled, compile_seconds: float) -> dict
         collectives[found["op"]]["count"] += found["runs"]
         collectives[found["op"]]["bytes"] += found["runs"] * found["bytes"]
     params = nn.unbox(full.params)
+    # The compiled step's matmul FLOPs per device, against the model's count for the step's
+    # tokens shared over the devices: above 1, what the strategy recomputes (--remat, a
+    # pipeline's backward; the pipeline's is an upper bound, every tick counting its costliest
+    # op), or what it computes on every device alike.
+    step_flops, per_token = hlo_flops(compiled.as_text()), flops_per_token(config, params)
+    model_flops = per_token * config.batch_size * config.seq_len / jax.device_count()
     return {
         "param_count": sum(x.size for x in jax.tree.leaves(params)),
         "param_bytes": sum(map(nbytes, jax.tree.leaves(params))),
-        "flops_per_token": flops_per_token(config, params),
+        "flops_per_token": per_token,
+        "step_flops": step_flops,
+        "step_flops_over_model": step_flops / model_flops,
         "state_bytes_total": sum(
             map(nbytes, jax.tree.leaves(nn.unbox((full.params, full.opt_state))))
         ),
@@ -3227,7 +3280,9 @@ def report_lines(summary: dict) -> str:
         f"arguments {_megabytes(summary['compiled_argument_bytes'])}, temporaries "
         f"{_megabytes(summary['compiled_temp_bytes'])}\ncollectives per step and device: "
         f"{', '.join(used) or 'none'}\ncompile {summary['compile_seconds']:.1f}s | "
-        f"{summary['flops_per_token'] / 1e6:.1f} MFLOP/token | {mfu}"
+        f"{summary['flops_per_token'] / 1e6:.1f} MFLOP/token; compiled, "
+        f"{summary['step_flops'] / 1e9:.2f} GFLOP/step per device "
+        f"({summary['step_flops_over_model']:.2f} x the model's) | {mfu}"
     )
 
 

@@ -10,13 +10,16 @@ scripts' subprocesses inherit the setting.
 import os
 import tempfile
 
+import pytest
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
 ).strip()
 # Many runs compile the same programs (a resumed run, the same script in another test, the
 # processes of a multi-process run): a compilation cache for this session, shared with the
 # scripts' subprocesses, compiles each once.
-os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="jax-cache-")
+# (Set once, by pytest's main process: its test workers inherit it, and share the one cache.)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jax-cache-"))
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
@@ -28,3 +31,17 @@ import common  # noqa: E402
 # deadlock.
 os.environ.setdefault("PJRT_NPROC", str(common.cpu_client_threads(8)))
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """Which tests run on one worker (pytest-xdist's --dist=loadgroup, pyproject.toml): a test
+    file's tests together, as they share the runs it caches (tests/harness.py), but
+    test_equivalence.py's by strategy (its `name`), so that the headline proof, a third of the
+    suite, spreads over the workers, each strategy's runs computed once on one of them."""
+    for item in items:
+        group = item.path.name
+        params = getattr(item, "callspec", None) and item.callspec.params
+        if group == "test_equivalence.py" and params and "name" in params:
+            group = f"{group}::{params['name']}"
+        item.add_marker(pytest.mark.xdist_group(group))

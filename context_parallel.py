@@ -16,9 +16,16 @@ entirely. The backward pass is JAX's autodiff of the ring: the transpose of each
 the keys' and values' gradients back around the ring, and each hop's attention is recomputed
 rather than stored (jax.checkpoint), so no device ever holds a whole sequence's scores. Each
 device computes the gradient of its pieces' loss, and one all-reduce averages the gradients.
+--attention-split picks the other two forms of context parallelism (README, "Long
+sequences"): all-gather, every key and value gathered once per layer, the causal mask by their
+global positions; ulysses (DeepSpeed-Ulysses), an all-to-all that trades each device's pieces
+of the sequence for all of it on heads / N of the heads, one device's attention (any kernel)
+on those, and an all-to-all back.
 Collectives per step: per layer, N - 1 collective-permutes of a key and value block forward
-and N - 1 of their gradients backward; one all-reduce of the gradients over 'data' and
-'context', and tiny ones of the gradient norm and of the metrics.
+and N - 1 of their gradients backward (all-gather: an all-gather of the keys and one of the
+values, a reduce-scatter of each gradient; ulysses: 4 all-to-alls forward, 4 backward); one
+all-reduce of the gradients over 'data' and 'context', and tiny ones of the gradient norm and
+of the metrics.
 
 What changes from shardmap_dp.py: the batch is also split along the sequence, so the model
 gets each piece's positions and ring attention in place of attention (the model's `positions`
@@ -27,6 +34,7 @@ and `attend`), and the gradients are averaged over 'context' too.
 Run:
   python context_parallel.py             # a laptop: 8 emulated CPU devices, data=2,context=4
   python context_parallel.py --mesh data=1,context=8 --seq-len 4096   # long sequences
+  python context_parallel.py --attention-split ulysses --heads 8   # heads a multiple of N
   python context_parallel.py --distributed   # every host of a TPU pod slice (README)
 
 Read before: shardmap_dp.py. Read next: pipeline.py, which splits the model instead.

@@ -20,7 +20,9 @@ the embedding lookups and the dropout masks land, the places explicit mode will 
 Collectives per step, by preset: dp, an all-reduce of the gradients; fsdp, all-gathers of the
 parameters (reshard) and reductions of their gradients (its transpose); tp, per block an
 all-reduce over 'model' of attn/out's and fc2's partial sums in the forward pass and two in the
-backward pass; fsdp_tp, both; with tiny ones of the loss's sums, the norm and the metrics.
+backward pass; tp_sp, each of those a reduce-scatter into sequence pieces, and an all-gather
+along the sequence before each column-parallel matmul (where_sums_land); fsdp_tp, both of
+fsdp's and tp's; with tiny ones of the loss's sums, the norm and the metrics.
 
 What changes from pjit_tp.py: the mesh keeps JAX's default axes, so no sharding is left to the
 compiler: where pjit_tp.py's jit takes shardings and places the rest itself, here the arrays

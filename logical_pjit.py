@@ -15,8 +15,9 @@ A step: the step is written for one device, and jit partitions it (GSPMD) from t
 shardings of its inputs and outputs, inserting the collectives itself.
 Collectives per step, by preset: dp, an all-reduce of the gradients; fsdp, all-gathers of the
 parameters and reduce-scatters of their gradients; hsdp, the same within groups and an
-all-reduce across them; tp, all-reduces over 'model' of each block's partial sums; fsdp_tp,
-both of the last two.
+all-reduce across them; tp, all-reduces over 'model' of each block's partial sums; tp_sp,
+reduce-scatters of them into sequence pieces and all-gathers along the sequence before each
+column-parallel matmul; fsdp_tp, both of fsdp's and tp's.
 
 What changes from pjit_tp.py: the table of PartitionSpecs per parameter path becomes a table
 of rules per logical axis name, so the mesh, the model, the step and every flag stay the

@@ -52,6 +52,8 @@ from jax import lax
 
 import common
 
+from contextlib import nullcontext
+import flax
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
@@ -485,13 +487,15 @@ def init_state(config, mesh, shapes_only=False):
     return create.eval_shape() if shapes_only else create()
 
 
-def stage_forward(params, x, tokens, rng, config, v=0):
+def stage_forward(params, x, tokens, rng, config, v=0, deltas=None):
     """One stage's part of the model on one micro-batch, its group of layers v: the embedding
     on the model's first group (in place of the input `x`), the group's blocks, and on the
     model's last group the head and the summed loss (0 elsewhere). Returns the output
     activation and what this part adds to the loss (the summed loss, and a mixture of experts'
     load-balancing loss from every group's blocks), then, for the metrics, the summed loss
-    alone and the blocks' sums."""
+    alone and the blocks' sums, and the inputs of the blocks' dense layers: with `deltas` (one
+    per dense layer, [layers, its output's shape], zeros), each dense layer adds its delta to
+    its output and keeps its input (keep_dense), for zero-bubble's split backward."""
     stage, stages = lax.axis_index("stage"), lax.axis_size("stage")
     virtual = jax.tree.leaves(params["blocks"])[0].shape[0]
     # Which group of the model's layers: 0 first, virtual * stages - 1 last
@@ -507,15 +511,8 @@ def stage_forward(params, x, tokens, rng, config, v=0):
 
     x = lax.cond(chunk == 0, embed, lambda: x)
 
-    def block(x, layer):
-        block_params, i = layer
-        block_rngs = {"dropout": jax.random.fold_in(rng, i)} if train else None
-        return model.Block(config).apply({"params": block_params}, x, not train, rngs=block_rngs)
-
     blocks = jax.tree.map(lambda p: p[v], params["blocks"])  # the group's layers
-    layers = jax.tree.leaves(blocks)[0].shape[0]
-    x, stats = lax.scan(block, x, (blocks, chunk * layers + jnp.arange(layers)))
-    stats = jax.tree.map(lambda s: s.sum(0), stats or {})  # over this stage's blocks
+    x, stats, inputs = run_blocks(blocks, x, rng, config, chunk, deltas)
 
     def loss():
         # A tied head reads the embedding's table: the first and last stages both hold it, and
@@ -525,7 +522,101 @@ def stage_forward(params, x, tokens, rng, config, v=0):
         return common.cross_entropy(logits, tokens[:, 1:]).sum()
 
     loss = lax.cond(chunk == virtual * stages - 1, loss, lambda: jnp.zeros((), jnp.float32))
-    return (x, loss + stats.get("aux_loss_sum", 0.0)), (loss, stats)
+    return (x, loss + stats.get("aux_loss_sum", 0.0)), (loss, stats, inputs)
+
+
+def run_blocks(blocks, x, rng, config, chunk=0, deltas=None):
+    """A group of blocks ([layers, ...] stacked) on x, the group being the model's `chunk`-th:
+    the output, the blocks' sums, and (with `deltas`, see stage_forward) their dense layers'
+    inputs, [layers, ...] each."""
+    model, train = common.model_pieces(config), config.dropout > 0
+
+    def block(x, layer):
+        block_params, i, delta = layer
+        block_rngs = {"dropout": jax.random.fold_in(rng, i)} if train else None
+        kept = []
+        with nn.intercept_methods(keep_dense(delta, kept)) if deltas else nullcontext():
+            x, stats = model.Block(config).apply(
+                {"params": block_params}, x, not train, rngs=block_rngs
+            )
+        return x, (stats, [x_in for _, x_in in kept])
+
+    layers = jax.tree.leaves(blocks)[0].shape[0]
+    indices = chunk * layers + jnp.arange(layers)
+    x, (stats, inputs) = lax.scan(block, x, (blocks, indices, deltas or None))
+    return x, jax.tree.map(lambda s: s.sum(0), stats or {}), inputs  # sums over the blocks
+
+
+def keep_dense(deltas, kept):
+    """A Flax interceptor (zero-bubble's split backward): the k-th nn.Dense a block calls appends
+    (its kernel's path in the block, its input as it multiplies it, in the compute dtype) to
+    `kept` and adds deltas[k] (zeros) to its output. The gradient with respect to deltas[k] is
+    that layer's output gradient dy: with the input x, all the kernel's gradient x^T dy needs.
+    Any other layer (a mixture's experts, a norm) is left alone: its weights' gradient is
+    computed with the input's."""
+
+    def intercept(next_fun, args, kwargs, context):
+        module = context.module
+        if type(module) is not nn.Dense or context.method_name != "__call__":
+            return next_fun(*args, **kwargs)
+        (x,) = args
+        dtype = module.dtype or jnp.result_type(x.dtype, module.param_dtype)
+        kept.append(((*module.path, "kernel"), x.astype(dtype)))
+        y = next_fun(*args, **kwargs)
+        return y if deltas is None else y + deltas[len(kept) - 1]
+
+    return intercept
+
+
+def dense_calls(config, params, activation):
+    """[(kernel path, input, output)] of every nn.Dense a block calls, in order, as shapes."""
+    block_params = jax.tree.map(lambda p: p[0, 0], params["blocks"])
+    calls = []
+
+    def record(next_fun, args, kwargs, context):
+        y = next_fun(*args, **kwargs)
+        module = context.module
+        if type(module) is nn.Dense and context.method_name == "__call__":
+            dtype = module.dtype or jnp.result_type(args[0].dtype, module.param_dtype)
+            shape = jax.ShapeDtypeStruct(args[0].shape, dtype)
+            calls.append(((*module.path, "kernel"), shape, jax.ShapeDtypeStruct(y.shape, y.dtype)))
+        return y
+
+    def run():
+        with nn.intercept_methods(record):
+            block = common.model_pieces(config).Block(config)
+            return block.apply({"params": block_params}, activation, True)
+
+    jax.eval_shape(run)
+    return calls
+
+
+def with_kernel(grads, v, path, value):
+    """The gradients with one block kernel's (at `path` in a block) for group v: `value`
+    [layers, in, out], or zeros (None)."""
+    grads = flax.core.unfreeze(grads) if isinstance(grads, flax.core.FrozenDict) else dict(grads)
+    blocks = grads["blocks"] = dict(grads["blocks"])
+    *folders, name = path
+    for folder in folders:
+        blocks[folder] = dict(blocks[folder])
+        blocks = blocks[folder]
+    kernel = jnp.zeros_like(blocks[name])  # [virtual, layers, in, out]
+    blocks[name] = kernel if value is None else kernel.at[v].set(value.astype(kernel.dtype))
+    return grads
+
+
+def place_kept(table):
+    """Zero-bubble: where each stage keeps what a micro-batch's INPUT_GRAD leaves for its
+    WEIGHT_GRAD ([ticks, stages], -1 at any other op), the lowest slot free then."""
+    slots = np.full(table.shape[:2], -1, np.int32)
+    for s in range(table.shape[1]):
+        held = {}  # (v, m) -> slot
+        for t, (op, m, v) in enumerate(table[:, s, :3]):
+            if op == INPUT_GRAD:
+                held[v, m] = slots[t, s] = min(set(range(len(held) + 1)) - set(held.values()))
+            elif op == WEIGHT_GRAD:
+                slots[t, s] = held.pop((v, m))
+    return slots
 
 
 def pipeline_gradients(params, batch, rng, config, table):
@@ -560,9 +651,23 @@ def pipeline_gradients(params, batch, rng, config, table):
     stats = jax.eval_shape(lambda: block.apply({"params": block_params}, activation, True))[1] or {}
     stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats)
 
-    def tick(carry, row):
-        inputs, output_grads, grads, loss_sum, stats_sum = carry
+    # Zero-bubble: what each INPUT_GRAD keeps for its WEIGHT_GRAD, per dense layer of a block,
+    # for each of this group's layers: its input and its output's gradient, in kept slots.
+    zero_bubble = bool((table[:, :, OP] == WEIGHT_GRAD).any())
+    kept_slots = place_kept(table) if zero_bubble else np.full(table.shape[:2], -1, np.int32)
+    calls = dense_calls(config, params, activation) if zero_bubble else []
+    layers = jax.tree.leaves(params["blocks"])[0].shape[1]
+    kept_count = max(1, kept_slots.max() + 1)
+    kept = [
+        tuple(jnp.zeros((kept_count, layers, *a.shape), a.dtype) for a in (x, y))
+        for _, x, y in calls
+    ]
+
+    def tick(carry, rows):
+        inputs, output_grads, kept, grads, loss_sum, stats_sum = carry
+        row, kept_row = rows
         op, m, v, input_slot, gradient_slot, input_arrives, gradient_arrives = row[stage]
+        kept_slot = jnp.maximum(kept_row[stage], 0)
         tokens, key = pieces[m], jax.random.fold_in(rng, m)
 
         # Read inside the branches that use them (XLA would otherwise copy them out first). Slot
@@ -575,7 +680,7 @@ def pipeline_gradients(params, batch, rng, config, table):
             return jnp.where(gradient_slot >= 0, output_grads[jnp.maximum(gradient_slot, 0)], 0)
 
         def forward():
-            (y, _), (loss, stats) = stage_forward(params, x(), tokens, key, config, v)
+            (y, _), (loss, stats, _) = stage_forward(params, x(), tokens, key, config, v)
             return y, loss, stats
 
         def no_forward():
@@ -585,28 +690,48 @@ def pipeline_gradients(params, batch, rng, config, table):
                 jax.tree.map(jnp.zeros_like, stats),
             )
 
-        def no_backward():
-            return jax.tree.map(jnp.zeros_like, params), jnp.zeros_like(activation)
+        def no_backward(kept):
+            return jax.tree.map(jnp.zeros_like, params), jnp.zeros_like(activation), kept
 
-        def backward(of_params=True, of_input=True):
-            """jax.vjp of the stage, recomputed from its input; the gradients not asked for are
-            zeros, and XLA drops the work that only they needed (zero-bubble's split)."""
+        def backward(kept):
+            """jax.vjp of the stage, recomputed from its input."""
             forward = functools.partial(stage_forward, tokens=tokens, rng=key, config=config, v=v)
             _, vjp, _ = jax.vjp(forward, params, x(), has_aux=True)
             grad_params, grad_input = vjp((gradient(), jnp.float32(loss_scale)))
-            if not of_params:
-                grad_params = jax.tree.map(jnp.zeros_like, params)
-            if not of_input:
-                grad_input = jnp.zeros_like(activation)
-            return grad_params, grad_input
+            return grad_params, grad_input, kept
+
+        def input_grad(kept):
+            """Zero-bubble's B: the backward of the stage, recomputed from its input, but for
+            its dense kernels' gradients (zeros: XLA drops their matmuls). It keeps what they
+            need: each dense layer's input, and its output's gradient (the gradient of its
+            delta, keep_dense)."""
+            deltas = [jnp.zeros((layers, *y.shape), y.dtype) for _, _, y in calls]
+            forward = functools.partial(stage_forward, tokens=tokens, rng=key, config=config, v=v)
+            _, vjp, (*_, dense_inputs) = jax.vjp(
+                lambda p, x, d: forward(p, x, deltas=d), params, x(), deltas, has_aux=True
+            )
+            grad_params, grad_input, dense_grads = vjp((gradient(), jnp.float32(loss_scale)))
+            for path, *_ in calls:
+                grad_params = with_kernel(grad_params, v, path, None)
+            kept = [
+                (xs.at[kept_slot].set(x_in), dys.at[kept_slot].set(dy))
+                for (xs, dys), x_in, dy in zip(kept, dense_inputs, dense_grads, strict=True)
+            ]
+            return grad_params, grad_input, kept
+
+        def weight_grad(kept):
+            """Zero-bubble's W: each dense kernel's gradient, x^T dy per layer, from what B kept;
+            nothing recomputed."""
+            grad_params = jax.tree.map(jnp.zeros_like, params)
+            for (path, *_), (xs, dys) in zip(calls, kept, strict=True):
+                kernel = jnp.einsum("l...i,l...o->lio", xs[kept_slot], dys[kept_slot])
+                grad_params = with_kernel(grad_params, v, path, kernel)
+            return grad_params, jnp.zeros_like(activation), kept
 
         # The backward each op runs (none for IDLE and FORWARD): only the backwards the table
         # has are compiled, since XLA:CPU keeps each branch's temporaries apart.
-        if (table[:, :, OP] == WEIGHT_GRAD).any():  # zero-bubble: the input's half, the weights'
-            backwards = {
-                INPUT_GRAD: functools.partial(backward, of_params=False),
-                WEIGHT_GRAD: functools.partial(backward, of_input=False),
-            }
+        if zero_bubble:  # the input's half, then the weights' from what it kept
+            backwards = {INPUT_GRAD: input_grad, WEIGHT_GRAD: weight_grad}
         else:
             backwards = {BACKWARD: backward}
         branch = np.zeros(len(OPS), np.int32)  # op -> its branch of lax.switch, 0: no_backward
@@ -614,8 +739,8 @@ def pipeline_gradients(params, batch, rng, config, table):
             branch[kind] = i
 
         output, loss, more = lax.cond(op == FORWARD, forward, no_forward)
-        grad_params, grad_input = lax.switch(
-            jnp.asarray(branch)[op], [no_backward, *backwards.values()]
+        grad_params, grad_input, kept = lax.switch(
+            jnp.asarray(branch)[op], [no_backward, *backwards.values()], kept
         )
         # After each tick: activations to the next stage, their gradients to the previous one.
         received = lax.ppermute(output, "stage", to_next)
@@ -630,16 +755,18 @@ def pipeline_gradients(params, batch, rng, config, table):
         )
         grads = jax.tree.map(jnp.add, grads, grad_params)
         stats_sum = jax.tree.map(jnp.add, stats_sum, more)
-        return (inputs, output_grads, grads, loss_sum + loss, stats_sum), None
+        return (inputs, output_grads, kept, grads, loss_sum + loss, stats_sum), None
 
     carry = (
         jnp.zeros((slots, *activation.shape), activation.dtype),
         jnp.zeros((grad_slots, *activation.shape), activation.dtype),
+        kept,
         jax.tree.map(jnp.zeros_like, params),
         jnp.zeros((), jnp.float32),
         stats,
     )
-    (_, _, grads, loss_sum, stats), _ = lax.scan(tick, carry, jnp.asarray(table))
+    rows = (jnp.asarray(table), jnp.asarray(kept_slots))
+    (_, _, _, grads, loss_sum, stats), _ = lax.scan(tick, carry, rows)
     tokens = jnp.int32(pieces.size - pieces.shape[0] * pieces.shape[1])
     return grads, {"loss_sum": loss_sum, "tokens": tokens, **stats}
 

@@ -11,12 +11,18 @@ whose paths end with the parameter's, follow it; it replicates the small rest by
 parameter it forgets stops the run instead of being replicated unseen. The global batch is
 split by rows over the mesh axis 'data' (P('data')), each device taking an equal share.
 A step: the step is written for one device, and jit partitions it (GSPMD) from the
-shardings of its inputs and outputs, inserting the collectives itself.
+shardings of its inputs and outputs, inserting the collectives itself. --sequence-parallel
+(Megatron's sequence parallelism) also splits what lies between the matmuls along the
+sequence over 'model': rules on the activations' logical names (SEQUENCE_PARALLEL) split the
+residual stream, the norms and dropout, 1/model of them per device.
 Collectives per step: per block, an all-reduce over 'model' of the partial sums after
 attn/out and after fc2 in the forward pass, and two matching ones in the backward pass; one
 after the embedding lookup and one of the head's input gradient; small ones of the loss's
 per-position sums over the vocabulary; one all-reduce over 'data' of the gradients, as in data
-parallelism, and tiny ones of the gradient norm and of the metrics.
+parallelism, and tiny ones of the gradient norm and of the metrics. With --sequence-parallel
+each of those all-reduces becomes a reduce-scatter into sequence pieces, and each norm's output
+is all-gathered along the sequence before the matmul after it (and its gradient
+reduce-scattered back): the same bytes.
 
 What changes from fsdp.py: no collectives by hand. The mesh gains a 'model' axis, a table of
 PartitionSpecs per parameter path replaces the nn.Partitioned boxes, and the step is the
@@ -26,6 +32,7 @@ jax.jit, which takes in_shardings and out_shardings directly.
 Run:
   python pjit_tp.py                      # a laptop: 8 emulated CPU devices, data=2,model=4
   python pjit_tp.py --mesh data=1,model=8 --steps 2000   # a GPU or TPU host
+  python pjit_tp.py --sequence-parallel --seq-len 1024     # long sequences: 1/model activations
   python pjit_tp.py --distributed        # every host of a TPU pod slice (README)
 
 Read before: fsdp.py. Read next: logical_pjit.py, which states the same layout as rules, and

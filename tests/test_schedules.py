@@ -133,3 +133,40 @@ def test_interleaving_divides_the_bubbles_time_by_the_groups():
             assert interleaved.shape[0] == 2 * virtual * microbatches + 2 * (stages - 1)
             idle = (interleaved[:, :, OP] == IDLE).sum(axis=0)
             assert (idle == (onef1b[:, :, OP] == IDLE).sum(axis=0)).all()  # ticks of 1 / V the time
+
+
+# ----------------------------------------------------------------------------------------------
+# What the ops cost: zero-bubble's B and W against 1F1B's whole backward (issue 42)
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["one block", "two blocks"])
+def costs(request):
+    """tools/schedules.py's op costs, by XLA's cost analysis, for one and two blocks a stage."""
+    from tools import schedules
+
+    return schedules.op_costs(request.param)
+
+
+def test_zero_bubble_splits_the_backward_without_redoing_it(costs):
+    """B (the input's gradient, keeping each dense layer's input and output gradient) and W (only
+    the kernels' gradients, x^T dy, from what B kept) cost together at most 1.1 x 1F1B's whole
+    backward: W redoes nothing. W is the cheapest, and B costs less than a whole backward."""
+    b, w, whole = costs[INPUT_GRAD], costs[WEIGHT_GRAD], costs[BACKWARD]
+    print(f"\nin forwards: whole backward {whole:.2f}, B {b:.2f}, W {w:.2f}")
+    assert b + w <= 1.1 * whole
+    assert w < costs[FORWARD] < b < whole
+
+
+@pytest.mark.parametrize("microbatches", [8, 16])
+def test_zero_bubble_is_the_fastest_by_the_measured_costs(costs, microbatches):
+    """With the measured costs, each tick as long as its slowest stage's op, zero-bubble's step
+    is shorter than 1F1B's (4 stages), where it was longer when W redid the backward."""
+    from tools import schedules
+
+    step = {
+        kind: schedules.predicted(make_schedule(kind, 4, microbatches), costs)[0]
+        for kind in ("1f1b", "zero-bubble")
+    }
+    print(f"\nS = 4, M = {microbatches}: step in forwards {step}")
+    assert step["zero-bubble"] < step["1f1b"]

@@ -101,7 +101,7 @@ BREACHES = [
         "Embed's parameter token/embedding has 2 axes but names",
     ),
     (
-        ("        return x, None\n", "        return x\n"),
+        ("        return residual_stream(x), None\n", "        return residual_stream(x)\n"),
         "Block returns float32[2, 16, 32] for activations",
     ),
     (

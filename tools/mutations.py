@@ -16,6 +16,7 @@ run on the unchanged code and must pass (skip with --no-clean), so that a failur
   python tools/mutations.py                 # every bug; about 15 minutes on 2 cores
   python tools/mutations.py --only 3 7      # some of them
   python tools/mutations.py --write         # and rewrite the table in docs/mutations.md
+  python tools/mutations.py --only 30 --write   # rewrite that bug's row, keep the others
 """
 
 import argparse
@@ -263,6 +264,39 @@ BUGS = [
         "the balance bias moves towards the loaded experts (the sign of DeepSeek's rule turned)",
         ("tests/test_experts.py::test_the_bias_moves_against_each_experts_excess_load",),
     ),
+    Bug(
+        "context_parallel.py",
+        "back = np.argsort(order)",
+        "back = order",
+        "Ulysses puts the gathered sequence in the wrong order: the permutation where its "
+        "inverse belongs",
+        (f"{EQ}::test_matches_single_device_reference[context_ulysses]",),
+    ),
+    Bug(
+        "context_parallel.py",
+        "key_positions = jnp.asarray(balanced_order(k.shape[1], devices))",
+        "key_positions = jnp.arange(k.shape[1])",
+        "all-gather attention masks by the keys' places in the gathered array, not by their "
+        "positions in the sequence",
+        (f"{EQ}::test_matches_single_device_reference[context_all_gather]",),
+    ),
+    Bug(
+        "pjit_tp.py",
+        """    ("length", "model"),
+)""",
+        ")",
+        "--sequence-parallel's rules leave the sequence whole: tensor parallelism alone, "
+        "nothing split between the matmuls (no number changes)",
+        (f"{EQ}::test_sequence_parallelism_splits_the_residual_stream[pjit_tp_sp]",),
+    ),
+    Bug(
+        "explicit_sharding.py",
+        'along_sequence(x, None if self.name == "head" else sequence)',
+        "along_sequence(x, None)",
+        "--rules tp_sp in the types gathers every piece's input whole: no sequence split "
+        "(no number changes)",
+        (f"{EQ}::test_sequence_parallelism_splits_the_residual_stream[explicit_tp_sp]",),
+    ),
 ]
 
 
@@ -382,6 +416,14 @@ def main():
     print(text)
     if args.write:
         page = PAGE.read_text()
+        if args.only:  # the other bugs' rows stay as the page has them
+            rows = {
+                int(row.split("|")[1]): row
+                for row in MARKER.search(page).group().splitlines()
+                if re.match(r"\| \d+ \|", row)
+            }
+            rows.update({int(row.split("|")[1]): row for row in text.splitlines()[2:]})
+            text = "\n".join(text.splitlines()[:2] + [rows[i] for i in sorted(rows)])
         PAGE.write_text(
             MARKER.sub(lambda _: f"<!-- mutations:start -->\n{text}\n<!-- mutations:end -->", page)
         )

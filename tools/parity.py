@@ -9,6 +9,7 @@ and model the tests train, and every figure within the bound the tests hold it t
 
   python tools/parity.py            # print the table; about 15 minutes on 2 cores
   python tools/parity.py --write    # and rewrite the table in docs/parity.md
+  python tools/parity.py --only pjit_tp_sp --write   # re-measure its rows, keep the others
 """
 
 import argparse
@@ -42,11 +43,14 @@ def model_of(record: dict) -> str:
     return "moe" if record["flags"].get("experts") or record["experts"] else "gpt"
 
 
-def measure(workers: int) -> list:
-    """Run the matrix's tests; every comparison they made, as a dict."""
+def measure(workers: int, only=()) -> list:
+    """Run the matrix's tests (of the strategies `only` names, if any); every comparison they
+    made, as a dict."""
     with tempfile.TemporaryDirectory() as folder:
         record = os.path.join(folder, "parity")
-        tests = " or ".join(TESTS)
+        tests = f"({' or '.join(TESTS)})"
+        if only:
+            tests += f" and ({' or '.join(only)})"
         # Every cell, marked full or not; spread over the workers test by test, not by file
         command = [sys.executable, "-m", "pytest", "-m", "", "-q", "-x", "-n", str(workers)]
         command += ["--dist", "load", "test_equivalence.py", "-k", tests]
@@ -87,17 +91,38 @@ def table(records: list) -> str:
     return "\n".join(rows)
 
 
+def merged(old: str, new: str) -> str:
+    """The page's table with the new rows in place of (or beside) its own, in the tests' order
+    of the strategies (tests/harness.py) and models."""
+    sys.path.insert(0, str(ROOT))
+    from tests.harness import STRATEGIES
+
+    rows = {}
+    for text in (old, new):
+        for row in text.splitlines():
+            if found := re.match(r"\| `([\w-]+)` \| ([^|]+) \|", row):
+                rows[found.group(1), found.group(2).strip()] = row
+    labels = list(MODELS.values())
+    order = sorted(rows, key=lambda key: (list(STRATEGIES).index(key[0]), labels.index(key[1])))
+    return "\n".join(new.splitlines()[:2] + [rows[key] for key in order])
+
+
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--write", action="store_true", help="rewrite docs/parity.md's table")
     parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers")
+    parser.add_argument(
+        "--only", nargs="+", default=(), help="these strategies' rows; the others stay as written"
+    )
     args = parser.parse_args()
-    text = table(measure(args.workers))
+    text = table(measure(args.workers, args.only))
     print(text)
     if args.write:
         page = PAGE.read_text()
+        if args.only:
+            text = merged(MARKER.search(page).group(), text)
         new = f"<!-- parity:start -->\n{text}\n<!-- parity:end -->"
         PAGE.write_text(MARKER.sub(lambda _: new, page))
         print(f"wrote {PAGE.relative_to(ROOT)}", file=sys.stderr)

@@ -18,6 +18,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
 import pipeline  # noqa: E402
 
 STAGES, MICROBATCHES, VIRTUAL, LAYERS = 4, 8, 2, 8
@@ -33,6 +38,73 @@ TICK = {  # what one tick of a stage is
     "zero-bubble": "a forward, an input's gradient (B) or the weights' (W)",
     "interleaved": f"a forward or backward of 1/{VIRTUAL} of the stage's layers",
 }
+
+
+def op_costs(blocks=1, config=None):
+    """What each op of a tick costs, in the compiled program's matmul FLOPs, on one stage of
+    `blocks` blocks of the default model, in forwards of that stage: the forward (F), the
+    whole backward of 1F1B and GPipe (jax.vjp, the stage recomputed from its input), and
+    zero-bubble's B (the same, less the dense kernels' gradients, keeping what W needs) and W
+    (those gradients, x^T dy per dense layer, from what B kept). Compiled on one device for one
+    micro-batch of the default's."""
+    config = config or pipeline.Config(layers=blocks, cpu_devices=1)
+    layers, model = blocks, pipeline.common.model_pieces(config)
+    rows, length = config.batch_size // 2 // config.microbatches, config.seq_len
+    x = jnp.zeros((rows, length, config.d_model), jnp.dtype(config.dtype))
+    one = nn.unbox(model.Block(config).init(jax.random.key(0), x, True)["params"])
+    params = {"blocks": jax.tree.map(lambda p: jnp.stack([p] * layers)[None], one)}
+    rng, blocks_of = jax.random.key(1), lambda p: jax.tree.map(lambda a: a[0], p["blocks"])
+    calls = pipeline.dense_calls(config, params, x)
+
+    def forward(params, x):
+        return pipeline.run_blocks(blocks_of(params), x, rng, config)[0]
+
+    def backward(params, x, dy):
+        return jax.vjp(forward, params, x)[1](dy)
+
+    def input_grad(params, x, dy):
+        deltas = [jnp.zeros((layers, *y.shape), y.dtype) for _, _, y in calls]
+
+        def f(params, x, deltas):
+            y, _, inputs = pipeline.run_blocks(blocks_of(params), x, rng, config, 0, deltas)
+            return y, inputs
+
+        _, vjp, inputs = jax.vjp(f, params, x, deltas, has_aux=True)
+        grads, dx, dense_grads = vjp(dy)
+        for path, *_ in calls:
+            grads = pipeline.with_kernel(grads, 0, path, None)
+        return grads, dx, inputs, dense_grads
+
+    def weight_grad(params, inputs, dense_grads):
+        grads = jax.tree.map(jnp.zeros_like, params)
+        for (path, *_), x_in, dy in zip(calls, inputs, dense_grads, strict=True):
+            kernel = jnp.einsum("l...i,l...o->lio", x_in, dy)
+            grads = pipeline.with_kernel(grads, 0, path, kernel)
+        return grads
+
+    inputs, dense_grads = jax.eval_shape(input_grad, params, x, x)[2:]
+
+    def flops(fn, *args):  # its matmuls', each loop's body times its trips (common.hlo_flops)
+        return pipeline.common.hlo_flops(jax.jit(fn).lower(*args).compile().as_text())
+
+    f = flops(forward, params, x)
+    return {
+        pipeline.FORWARD: 1.0,
+        pipeline.BACKWARD: flops(backward, params, x, x) / f,
+        pipeline.INPUT_GRAD: flops(input_grad, params, x, x) / f,
+        pipeline.WEIGHT_GRAD: flops(weight_grad, params, inputs, dense_grads) / f,
+    }
+
+
+def predicted(schedule, costs):
+    """A schedule's step time, in forwards of a stage, and its bubble, from the ops' costs: the
+    stages run in lockstep (a tick's activations move at its end), so each tick takes as long
+    as its slowest stage's op; the bubble is the share of the stages' time spent waiting."""
+    cost = np.vectorize(lambda op: costs.get(op, 0.0))(schedule[:, :, pipeline.OP])
+    # Interleaved: an op runs 1/V of the stage's layers
+    cost = cost / max(1, schedule[:, :, pipeline.VIRTUAL].max() + 1)
+    step = cost.max(axis=1).sum()
+    return step, 1 - cost.sum() / (step * schedule.shape[1])
 
 
 def picture():
@@ -62,9 +134,11 @@ def table():
         "pipeline.py --show-schedule --schedule KIND` prints each.",
         "",
         "| `--schedule` | ticks | bubble: idle share of the ticks | formula | a tick | "
-        "micro-batches in flight, stage 0 … 3 |",
-        "|---|---|---|---|---|---|",
+        "micro-batches in flight, stage 0 … 3 | step, in forwards of a stage (bubble), from "
+        "measured costs |",
+        "|---|---|---|---|---|---|---|",
     ]
+    costs = op_costs()
     for kind in pipeline.SCHEDULES:
         schedule = pipeline.make_schedule(
             kind, STAGES, MICROBATCHES, VIRTUAL if kind == "interleaved" else 1
@@ -72,10 +146,19 @@ def table():
         idle = (schedule[:, :, pipeline.OP] == pipeline.IDLE).mean()
         formula, work = FORMULAS[kind]
         held = " / ".join(map(str, pipeline.in_flight(schedule)))
+        step, bubble = predicted(schedule, costs)
         rows.append(
             f"| {kind} | {schedule.shape[0]} | {idle:.1%} | {formula} = "
-            f"{(STAGES - 1) / (work + STAGES - 1):.1%} | {TICK[kind]} | {held} |"
+            f"{(STAGES - 1) / (work + STAGES - 1):.1%} | {TICK[kind]} | {held} | "
+            f"{step:.1f} ({bubble:.1%}) |"
         )
+    rows += [
+        "",
+        "The costs, in the matmul FLOPs of one stage's ops as compiled (`tools/schedules.py`'s "
+        "`op_costs`, the default block, one micro-batch), in forwards: a whole backward "
+        f"{costs[pipeline.BACKWARD]:.2f}, zero-bubble's B {costs[pipeline.INPUT_GRAD]:.2f} and W "
+        f"{costs[pipeline.WEIGHT_GRAD]:.2f}. A tick lasts as long as its slowest stage's op.",
+    ]
     return "<!-- schedules:start -->\n" + "\n".join(rows) + "\n<!-- schedules:end -->"
 
 

@@ -1,0 +1,170 @@
+"""What each way of splitting a long sequence costs, compiled on CPU (no step is run): the figures
+of the README's "Long sequences" table, each beside its formula.
+
+Context parallelism (context_parallel.py --attention-split), one layer's attention forward and
+backward on a mesh context=8 (the queries, keys and values [1, length, 8 heads, 32] = d 256),
+at sequence lengths 1k, 4k and 16k:
+  sent per layer and device, as a ring sends (a collective-permute sends its whole buffer; an
+  all-gather, a reduce-scatter or an all-to-all (N - 1) / N of its whole buffer), with b the
+  bytes of one device's block of keys (or values, queries, outputs), length / N x d:
+    ring        4 (N - 1) b     N - 1 hops of a key and a value block, their gradients back
+    all-gather  4 (N - 1) b     the keys and values gathered, their gradients reduce-scattered
+    ulysses     8 (N - 1) / N b q, k, v to a head split and the output back, and backward
+  in float32 (ring and all-gather compute in it; Ulysses sends the compute dtype). And the
+  compiled temporaries per device: the ring holds a block's scores at a time ((length / N)^2
+  per head, hop by hop), all-gather and Ulysses a whole [length / N, length] or [length,
+  length] of them per head (N heads / N each).
+Sequence parallelism (pjit_tp.py --sequence-parallel): the whole train step's temporaries per
+device, with and without, at model = 2, 4 and 8 (data=1), against Megatron's formula for a
+layer's activations (Korthikanti et al. 2022, s the length, b the rows, h = d_model, a heads, t
+= model): sbh (10 + 24 / t + 5 a s / (h t)) without, sbh (34 / t + 5 a s / (h t)) with.
+
+  python tools/long_sequences.py             # both tables (about 2 minutes on 2 cores)
+  python tools/long_sequences.py --lengths 1024 4096
+"""
+
+import argparse
+import functools
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+import common  # noqa: E402
+import context_parallel  # noqa: E402
+import pjit_tp  # noqa: E402
+
+CONTEXT, HEADS, HEAD_DIM = 8, 8, 32
+# Per op: the share of its whole buffer a device sends, as a ring runs it
+SENT = {"collective-permute": lambda n: 1, "all-to-all": lambda n: (n - 1) / n}
+SENT["all-gather"] = SENT["reduce-scatter"] = SENT["all-to-all"]
+FORMULA = {  # sent per layer and device, in units of one device's block b
+    "ring": lambda n: 4 * (n - 1),
+    "all-gather": lambda n: 4 * (n - 1),
+    "ulysses": lambda n: 8 * (n - 1) / n,
+}
+WINS = {
+    "ring": "memory: no device holds more than a block of keys and scores at a time",
+    "all-gather": "simplicity and short sequences: one collective, the masked attention local",
+    "ulysses": "many heads (a multiple of N), an all-to-all fabric: 1/(2N) the ring's bytes",
+}
+
+
+def attention_cost(split, length):
+    """(bytes sent per device, compiled temporaries per device) of one layer's attention, forward
+    and backward, under one split, in float32."""
+    mesh = jax.make_mesh((CONTEXT,), ("context",), axis_types=(jax.sharding.AxisType.Explicit,))
+    attend = {
+        "ring": context_parallel.ring_attention,
+        "all-gather": context_parallel.all_gather_attention,
+        "ulysses": functools.partial(
+            context_parallel.ulysses_attention, attend=common.causal_attention
+        ),
+    }[split]
+    spec = P(None, "context")
+
+    def loss(q, k, v):
+        return jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v).sum()
+
+    shape = jax.ShapeDtypeStruct(
+        (1, length, HEADS, HEAD_DIM), jnp.float32, sharding=NamedSharding(mesh, spec)
+    )
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(shape, shape, shape).compile()
+    sent = sum(
+        SENT[c["op"]](CONTEXT) * c["bytes"] * c["runs"]
+        for c in common.hlo_collectives(compiled.as_text())
+    )
+    return sent, compiled.memory_analysis().temp_size_in_bytes
+
+
+def sp_temporaries(model, sequence_parallel, dropout):
+    """The compiled train step's temporaries per device, pjit_tp.py on data=1,model=`model`."""
+    config = pjit_tp.Config(
+        mesh=f"data=1,model={model}",
+        layers=2,
+        d_model=256,
+        heads=8,
+        seq_len=1024,
+        batch_size=2,
+        dropout=dropout,
+        sequence_parallel=sequence_parallel,
+        cpu_devices=8,
+    )
+    mesh = pjit_tp.make_mesh(config)
+    state = pjit_tp.init_state(config, mesh, shapes_only=True)
+    shardings = jax.tree.map(lambda x: x.sharding, state)
+    step = jax.jit(
+        functools.partial(pjit_tp.train_step, config=config),
+        in_shardings=(shardings, NamedSharding(mesh, pjit_tp.BATCH_SPEC)),
+        out_shardings=(shardings, NamedSharding(mesh, P())),
+    )
+    batch = common.batch_shape(config, NamedSharding(mesh, pjit_tp.BATCH_SPEC))
+    rules = pjit_tp.SEQUENCE_PARALLEL if sequence_parallel else ()
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        compiled = step.lower(state, batch).compile()
+    return compiled.memory_analysis().temp_size_in_bytes, config
+
+
+def megatron_ratio(config, model):
+    """Megatron's activations per layer with sequence parallelism over those without."""
+    a, s, h = config.heads, config.seq_len, config.d_model
+    return (34 / model + 5 * a * s / (h * model)) / (10 + 24 / model + 5 * a * s / (h * model))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--models", type=int, nargs="+", default=[2, 4, 8])
+    args = parser.parse_args()
+    jax.config.update("jax_num_cpu_devices", 8)
+    lengths = " | ".join(f"{n // 1024}k" for n in args.lengths)
+    print(
+        f"| attention split | sent per layer and device: formula | {lengths} | temporaries "
+        f"per device: {lengths} | wins for |"
+    )
+    print("|---|---|" + "---|" * (2 * len(args.lengths)) + "---|")
+    for split in FORMULA:
+        sent, temporaries = [], []
+        for length in args.lengths:
+            bytes_sent, temp = attention_cost(split, length)
+            block = length // CONTEXT * HEADS * HEAD_DIM * 4
+            formula = FORMULA[split](CONTEXT) * block
+            assert abs(bytes_sent - formula) <= 0.01 * formula, (split, length, bytes_sent, formula)
+            sent.append(f"{bytes_sent / 1e6:.2f} MB ({formula / 1e6:.2f})")
+            temporaries.append(f"{temp / 1e6:,.1f} MB")
+        n = "N"
+        expression = {
+            "ring": f"4({n}-1)b",
+            "all-gather": f"4({n}-1)b",
+            "ulysses": f"8({n}-1)/{n} b",
+        }
+        print(
+            f"| {split} | {expression[split]} | {' | '.join(sent)} | {' | '.join(temporaries)} | "
+            f"{WINS[split]} |"
+        )
+    print(
+        "\n| model | temporaries without | with --sequence-parallel | ratio | dropout 0: ratio | "
+        "Megatron's formula |"
+    )
+    print("|---|---|---|---|---|---|")
+    for model in args.models:
+        ratios = {}
+        for dropout in (0.1, 0.0):
+            without, config = sp_temporaries(model, False, dropout)
+            with_sp, _ = sp_temporaries(model, True, dropout)
+            ratios[dropout] = (without, with_sp, with_sp / without)
+        without, with_sp, ratio = ratios[0.1]
+        print(
+            f"| {model} | {without / 1e6:.1f} MB | {with_sp / 1e6:.1f} MB | {ratio:.2f} | "
+            f"{ratios[0.0][2]:.2f} | {megatron_ratio(config, model):.2f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
