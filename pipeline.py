@@ -22,7 +22,9 @@ gradient, which nobody waits for and which fills the ticks 1F1B leaves idle; int
 stage. After each tick every stage passes its output forward and its input gradient backward to
 its neighbours (ppermute).
 Between a micro-batch's forward and its backward a stage keeps only that micro-batch's input;
-the backward runs jax.vjp of the stage on it, recomputing the stage as --remat does.
+the backward runs jax.vjp of the stage on it, recomputing the stage as --remat does. Zero-bubble's
+B keeps, until its W, each dense layer's input and output gradient, and W is only the kernels'
+gradients from them (x^T dy): the two cost one backward.
 Collectives per step: two collective-permutes per tick between neighbouring stages (the
 activations forward, their gradients backward); an all-gather over 'stage' of the embedding and
 the head, and a reduce-scatter of their gradients (only the first and last stage have them):
@@ -690,19 +692,22 @@ def pipeline_gradients(params, batch, rng, config, table):
                 jax.tree.map(jnp.zeros_like, stats),
             )
 
-        def no_backward(kept):
-            return jax.tree.map(jnp.zeros_like, params), jnp.zeros_like(activation), kept
+        def nothing_kept():  # what an op other than INPUT_GRAD leaves for a WEIGHT_GRAD
+            return [tuple(jnp.zeros(a.shape[1:], a.dtype) for a in pair) for pair in kept]
 
-        def backward(kept):
+        def no_backward():
+            return jax.tree.map(jnp.zeros_like, params), jnp.zeros_like(activation), nothing_kept()
+
+        def backward():
             """jax.vjp of the stage, recomputed from its input."""
             forward = functools.partial(stage_forward, tokens=tokens, rng=key, config=config, v=v)
             _, vjp, _ = jax.vjp(forward, params, x(), has_aux=True)
             grad_params, grad_input = vjp((gradient(), jnp.float32(loss_scale)))
-            return grad_params, grad_input, kept
+            return grad_params, grad_input, nothing_kept()
 
-        def input_grad(kept):
+        def input_grad():
             """Zero-bubble's B: the backward of the stage, recomputed from its input, but for
-            its dense kernels' gradients (zeros: XLA drops their matmuls). It keeps what they
+            its dense kernels' gradients (zeros: XLA drops their matmuls). It leaves what they
             need: each dense layer's input, and its output's gradient (the gradient of its
             delta, keep_dense)."""
             deltas = [jnp.zeros((layers, *y.shape), y.dtype) for _, _, y in calls]
@@ -713,20 +718,16 @@ def pipeline_gradients(params, batch, rng, config, table):
             grad_params, grad_input, dense_grads = vjp((gradient(), jnp.float32(loss_scale)))
             for path, *_ in calls:
                 grad_params = with_kernel(grad_params, v, path, None)
-            kept = [
-                (xs.at[kept_slot].set(x_in), dys.at[kept_slot].set(dy))
-                for (xs, dys), x_in, dy in zip(kept, dense_inputs, dense_grads, strict=True)
-            ]
-            return grad_params, grad_input, kept
+            return grad_params, grad_input, list(zip(dense_inputs, dense_grads, strict=True))
 
-        def weight_grad(kept):
+        def weight_grad():
             """Zero-bubble's W: each dense kernel's gradient, x^T dy per layer, from what B kept;
             nothing recomputed."""
             grad_params = jax.tree.map(jnp.zeros_like, params)
             for (path, *_), (xs, dys) in zip(calls, kept, strict=True):
                 kernel = jnp.einsum("l...i,l...o->lio", xs[kept_slot], dys[kept_slot])
                 grad_params = with_kernel(grad_params, v, path, kernel)
-            return grad_params, jnp.zeros_like(activation), kept
+            return grad_params, jnp.zeros_like(activation), nothing_kept()
 
         # The backward each op runs (none for IDLE and FORWARD): only the backwards the table
         # has are compiled, since XLA:CPU keeps each branch's temporaries apart.
@@ -739,8 +740,18 @@ def pipeline_gradients(params, batch, rng, config, table):
             branch[kind] = i
 
         output, loss, more = lax.cond(op == FORWARD, forward, no_forward)
-        grad_params, grad_input, kept = lax.switch(
-            jnp.asarray(branch)[op], [no_backward, *backwards.values()], kept
+        grad_params, grad_input, left = lax.switch(
+            jnp.asarray(branch)[op], [no_backward, *backwards.values()]
+        )
+        # What B leaves for W, into its slot outside the branches (a buffer that went through
+        # them would be copied: XLA:CPU keeps each branch's results apart).
+        kept = lax.cond(
+            op == INPUT_GRAD,
+            lambda: [
+                (xs.at[kept_slot].set(x_in), dys.at[kept_slot].set(dy))
+                for (xs, dys), (x_in, dy) in zip(kept, left, strict=True)
+            ],
+            lambda: kept,
         )
         # After each tick: activations to the next stage, their gradients to the previous one.
         received = lax.ppermute(output, "stage", to_next)

@@ -15,20 +15,24 @@ at sequence lengths 1k, 4k and 16k:
   per head, hop by hop), all-gather and Ulysses a whole [length / N, length] or [length,
   length] of them per head (N heads / N each).
 Sequence parallelism (pjit_tp.py --sequence-parallel): the whole train step's temporaries per
-device, with and without, at model = 2, 4 and 8 (data=1), against Megatron's formula for a
+device, with and without, at model = 2, 4 and 8 (the rest 'data', 2 rows of 1,024 tokens
+per device along it), against Megatron's formula for a
 layer's activations (Korthikanti et al. 2022, s the length, b the rows, h = d_model, a heads, t
 = model): sbh (10 + 24 / t + 5 a s / (h t)) without, sbh (34 / t + 5 a s / (h t)) with.
 
-  python tools/long_sequences.py             # both tables (about 2 minutes on 2 cores)
+  python tools/long_sequences.py             # both tables (under a minute on 2 cores)
+  python tools/long_sequences.py --write     # and put them into README.md
   python tools/long_sequences.py --lengths 1024 4096
 """
 
 import argparse
 import functools
-import os
+import re
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -52,7 +56,7 @@ FORMULA = {  # sent per layer and device, in units of one device's block b
 WINS = {
     "ring": "memory: no device holds more than a block of keys and scores at a time",
     "all-gather": "simplicity and short sequences: one collective, the masked attention local",
-    "ulysses": "many heads (a multiple of N), an all-to-all fabric: 1/(2N) the ring's bytes",
+    "ulysses": "many heads (a multiple of N), an all-to-all fabric: 2/N of the ring's bytes",
 }
 
 
@@ -69,29 +73,33 @@ def attention_cost(split, length):
     }[split]
     spec = P(None, "context")
 
-    def loss(q, k, v):
-        return jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v).sum()
+    def loss(q, k, v, cotangent):  # (a cotangent of ones would fold its all-to-all away)
+        out = jax.shard_map(attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)(q, k, v)
+        return (out * cotangent).sum()
 
     shape = jax.ShapeDtypeStruct(
         (1, length, HEADS, HEAD_DIM), jnp.float32, sharding=NamedSharding(mesh, spec)
     )
-    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(shape, shape, shape).compile()
+    step = jax.value_and_grad(loss, argnums=(0, 1, 2))  # the loss too: the output is used
+    compiled = jax.jit(step).lower(*[shape] * 4).compile()
     sent = sum(
         SENT[c["op"]](CONTEXT) * c["bytes"] * c["runs"]
         for c in common.hlo_collectives(compiled.as_text())
+        if c["op"] in SENT  # (not the loss's all-reduce, of one number)
     )
     return sent, compiled.memory_analysis().temp_size_in_bytes
 
 
 def sp_temporaries(model, sequence_parallel, dropout):
-    """The compiled train step's temporaries per device, pjit_tp.py on data=1,model=`model`."""
+    """The compiled train step's temporaries per device, pjit_tp.py on 8 devices, `model` of
+    them along 'model', 2 rows of 1,024 tokens per group of 'model'."""
     config = pjit_tp.Config(
-        mesh=f"data=1,model={model}",
+        mesh=f"data={8 // model},model={model}",
         layers=2,
         d_model=256,
         heads=8,
         seq_len=1024,
-        batch_size=2,
+        batch_size=2 * (8 // model),
         dropout=dropout,
         sequence_parallel=sequence_parallel,
         cpu_devices=8,
@@ -117,53 +125,69 @@ def megatron_ratio(config, model):
     return (34 / model + 5 * a * s / (h * model)) / (10 + 24 / model + 5 * a * s / (h * model))
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
-    parser.add_argument("--models", type=int, nargs="+", default=[2, 4, 8])
-    args = parser.parse_args()
-    jax.config.update("jax_num_cpu_devices", 8)
-    lengths = " | ".join(f"{n // 1024}k" for n in args.lengths)
-    print(
-        f"| attention split | sent per layer and device: formula | {lengths} | temporaries "
-        f"per device: {lengths} | wins for |"
-    )
-    print("|---|---|" + "---|" * (2 * len(args.lengths)) + "---|")
+def context_table(lengths):
+    sizes = " | ".join(f"{n // 1024}k" for n in lengths)
+    rows = [
+        f"| attention split | sent per layer and device: formula | {sizes} | temporaries per "
+        f"device: {sizes} | wins for |",
+        "|---|---|" + "---|" * (2 * len(lengths)) + "---|",
+    ]
+    expression = {"ring": "4 (N − 1) b", "all-gather": "4 (N − 1) b", "ulysses": "8 (N − 1) / N b"}
     for split in FORMULA:
         sent, temporaries = [], []
-        for length in args.lengths:
+        for length in lengths:
             bytes_sent, temp = attention_cost(split, length)
             block = length // CONTEXT * HEADS * HEAD_DIM * 4
             formula = FORMULA[split](CONTEXT) * block
             assert abs(bytes_sent - formula) <= 0.01 * formula, (split, length, bytes_sent, formula)
-            sent.append(f"{bytes_sent / 1e6:.2f} MB ({formula / 1e6:.2f})")
+            sent.append(f"{bytes_sent / 1e6:.2f} MB (formula {formula / 1e6:.2f})")
             temporaries.append(f"{temp / 1e6:,.1f} MB")
-        n = "N"
-        expression = {
-            "ring": f"4({n}-1)b",
-            "all-gather": f"4({n}-1)b",
-            "ulysses": f"8({n}-1)/{n} b",
-        }
-        print(
+        rows.append(
             f"| {split} | {expression[split]} | {' | '.join(sent)} | {' | '.join(temporaries)} | "
             f"{WINS[split]} |"
         )
-    print(
-        "\n| model | temporaries without | with --sequence-parallel | ratio | dropout 0: ratio | "
-        "Megatron's formula |"
-    )
-    print("|---|---|---|---|---|---|")
-    for model in args.models:
+    return "\n".join(rows)
+
+
+def sequence_table(models):
+    rows = [
+        "| model | temporaries per device without | with `--sequence-parallel` | ratio | "
+        "ratio, dropout 0 | Megatron's formula | everything 1/model |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for model in models:
         ratios = {}
         for dropout in (0.1, 0.0):
             without, config = sp_temporaries(model, False, dropout)
             with_sp, _ = sp_temporaries(model, True, dropout)
             ratios[dropout] = (without, with_sp, with_sp / without)
         without, with_sp, ratio = ratios[0.1]
-        print(
+        rows.append(
             f"| {model} | {without / 1e6:.1f} MB | {with_sp / 1e6:.1f} MB | {ratio:.2f} | "
-            f"{ratios[0.0][2]:.2f} | {megatron_ratio(config, model):.2f} |"
+            f"{ratios[0.0][2]:.2f} | {megatron_ratio(config, model):.2f} | {1 / model:.2f} |"
         )
+    return "\n".join(rows)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--models", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--write", action="store_true", help="put the tables into README.md")
+    args = parser.parse_args()
+    jax.config.update("jax_num_cpu_devices", 8)
+    tables = {"sp": sequence_table(args.models), "cp": context_table(args.lengths)}
+    for text in tables.values():
+        print(text + "\n")
+    if args.write:
+        readme = ROOT / "README.md"
+        text = readme.read_text()
+        for key, table in tables.items():
+            marker = re.compile(f"<!-- {key}:start -->.*?<!-- {key}:end -->", re.DOTALL)
+            text = marker.sub(
+                lambda _, t=table, k=key: f"<!-- {k}:start -->\n{t}\n<!-- {k}:end -->", text
+            )
+        readme.write_text(text)
 
 
 if __name__ == "__main__":
