@@ -541,6 +541,16 @@ def test_the_sequence_splits_train_every_model(name, model, monkeypatch):
     compare(name, run_uncached(name, **flags), ref, flags)
 
 
+@pytest.mark.parametrize("model", OTHER_MODELS)
+def test_zero_bubble_trains_every_model(model, monkeypatch):
+    """Zero-bubble's B keeps every dense layer's input and output gradient and its W makes the
+    kernels' gradients from them (keep_dense): the MoE (whose experts' weights get theirs in B)
+    and tests/llama.py (its own dense layers) train as on one device."""
+    flags = OTHER_MODELS[model]
+    ref = reference(**flags)
+    compare("pipeline_zero-bubble", run_uncached("pipeline_zero-bubble", **flags), ref, flags)
+
+
 @pytest.mark.parametrize("name", matrix(LONG, LONG[:3]))
 def test_the_sequence_splits_match_in_bfloat16(name):
     bfloat16_matches(name, run(name, **BF16), {})
