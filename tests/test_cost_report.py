@@ -47,6 +47,8 @@ REPORT_KEYS = {
     "compiled_argument_bytes",
     "compiled_temp_bytes",
     "collectives",
+    "step_flops",
+    "step_flops_over_model",
 }
 
 
@@ -507,3 +509,25 @@ def test_each_attention_split_sends_what_its_formula_says(split):
     assert sent == pytest.approx(long_sequences.FORMULA[split](8) * block, rel=1e-6)
     if split != "ring":
         assert temporaries > 2 * long_sequences.attention_cost("ring", 1024)[1]
+
+
+def test_the_compiled_steps_flops_show_what_is_recomputed():
+    """step_flops: the compiled step's matmul FLOPs per device (common.hlo_flops, each loop's
+    body times its trips), against the model's count (flops_per_token x the step's tokens over
+    the devices). Data parallelism computes the model's (its attention's scores counted whole by
+    the formula: 0.99); --remat runs each block's forward again (1.19); micro-batches, a loop,
+    change nothing; the pipeline's ticks count their costliest op (an upper bound, above 4)."""
+    ratio = {
+        label: run(name, **flags).summary["step_flops_over_model"]
+        for label, name, flags in [
+            ("dp", "shardmap_dp", {}),
+            ("remat", "shardmap_dp", {"remat": True}),
+            ("micro", "shardmap_dp", {"microbatches": 4, "batch_size": 32}),
+            ("pipeline", "pipeline_1f1b", {}),
+        ]
+    }
+    print(f"\nstep FLOPs over the model's: {ratio}")
+    assert 0.95 <= ratio["dp"] <= 1.05
+    assert ratio["micro"] == pytest.approx(ratio["dp"], rel=1e-6)
+    assert 1.15 <= ratio["remat"] <= 1.25  # one forward of the blocks in three units again
+    assert ratio["pipeline"] > 3

@@ -297,6 +297,16 @@ BUGS = [
         "(no number changes)",
         (f"{EQ}::test_sequence_parallelism_splits_the_residual_stream[explicit_tp_sp]",),
     ),
+    Bug(
+        "pipeline.py",
+        """            for path, *_ in calls:
+                grad_params = with_kernel(grad_params, v, path, None)
+""",
+        "",
+        "zero-bubble's B keeps the dense kernels' gradients as well as W making them: each "
+        "counted twice",
+        (f"{EQ}::test_matches_single_device_reference[pipeline_zero-bubble]",),
+    ),
 ]
 
 
