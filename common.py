@@ -3151,6 +3151,9 @@ def hlo_collectives(hlo_text: str) -> list:
     device, the larger of its operands and its result) and its HLO line."""
     computations, shapes, entry = _hlo_program(hlo_text)
     sizes = {name: _shape_bytes(shape) for name, shape in shapes.items()}
+    devices = max(  # (pmap's programs are replicas, jit's partitions)
+        int(n) for n in re.findall(r"(?:num_partitions|replica_count)=(\d+)", hlo_text) or [1]
+    )
     callers = {}
     for caller, instructions in computations.items():
         for *_, attributes, _ in instructions:
@@ -3178,10 +3181,38 @@ def hlo_collectives(hlo_text: str) -> list:
                         "op": op,
                         "runs": runs(computation),
                         "bytes": max(operand_bytes, result_bytes),
+                        "group": group_size(line, devices),
                         "line": line,
                     }
                 )
     return found
+
+
+# What each device sends for a collective of `n` devices over a ring (NCCL's and most TPU
+# collectives' algorithm for large buffers), as a share of the op's whole buffer (its larger
+# side): an all-gather passes on N - 1 of the N pieces, a reduce-scatter likewise; an all-reduce
+# is both, 2 (N - 1) / N; an all-to-all keeps 1 / N and sends the rest; a collective-permute
+# sends its whole buffer once.
+WIRE = {
+    "all-reduce": lambda n: 2 * (n - 1) / n,
+    "all-gather": lambda n: (n - 1) / n,
+    "reduce-scatter": lambda n: (n - 1) / n,
+    "all-to-all": lambda n: (n - 1) / n,
+    "collective-permute": lambda n: 1.0,
+}
+
+
+def group_size(line: str, devices: int) -> int:
+    """How many devices take part in each group of one collective's HLO line (all of them
+    when it names no groups)."""
+    if iota := re.search(r"replica_groups=\[\d+,(\d+)\]<=", line):
+        return int(iota.group(1))
+    if mesh := re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line):
+        sizes = dict((a, int(n)) for a, n in re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
+        return math.prod(sizes[a] for a in re.findall(r"'(\w+)'", mesh.group(2)))
+    if listed := re.search(r"replica_groups=\{\{([\d,]*)\}", line):
+        return len(listed.group(1).split(","))
+    return devices
 
 
 def cost_report(config: Config, state, compiled, compile_seconds: float) -> dict:
@@ -3192,10 +3223,12 @@ def cost_report(config: Config, state, compiled, compile_seconds: float) -> dict
     full = model_shapes(config)
     leaves = jax.tree.leaves(nn.unbox((state.params, state.opt_state)))
     memory = compiled.memory_analysis()
-    collectives = {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
+    collectives = {op: {"count": 0, "bytes": 0, "wire_bytes": 0.0} for op in COLLECTIVES}
     for found in hlo_collectives(compiled.as_text()):
         collectives[found["op"]]["count"] += found["runs"]
         collectives[found["op"]]["bytes"] += found["runs"] * found["bytes"]
+        wire = WIRE[found["op"]](found["group"]) * found["bytes"]
+        collectives[found["op"]]["wire_bytes"] += found["runs"] * wire
     params = nn.unbox(full.params)
     # The compiled step's matmul FLOPs per device, against the model's count for the step's
     # tokens shared over the devices: above 1, what the strategy recomputes (--remat, a
@@ -3265,7 +3298,7 @@ def report_lines(summary: dict) -> str:
     """The end-of-run report, for people; --metrics-file has the same numbers for programs."""
     per_device, total = summary["state_bytes_per_device"], summary["state_bytes_total"]
     used = [
-        f"{op} {c['count']} ({_megabytes(c['bytes'])})"
+        f"{op} {c['count']} ({_megabytes(c['bytes'])}, sends {_megabytes(c['wire_bytes'])})"
         for op, c in summary["collectives"].items()
         if c["count"]
     ]
@@ -3278,7 +3311,8 @@ def report_lines(summary: dict) -> str:
         f"state: {_megabytes(per_device)} per device of {_megabytes(total)} "
         f"({per_device * summary['devices'] / total:.2f} x total/devices) | compiled step: "
         f"arguments {_megabytes(summary['compiled_argument_bytes'])}, temporaries "
-        f"{_megabytes(summary['compiled_temp_bytes'])}\ncollectives per step and device: "
+        f"{_megabytes(summary['compiled_temp_bytes'])}\ncollectives per step and device "
+        "(buffers, and what a ring sends): "
         f"{', '.join(used) or 'none'}\ncompile {summary['compile_seconds']:.1f}s | "
         f"{summary['flops_per_token'] / 1e6:.1f} MFLOP/token; compiled, "
         f"{summary['step_flops'] / 1e9:.2f} GFLOP/step per device "

@@ -34,6 +34,8 @@ Run:
   python expert_parallel.py --distributed   # every host of a TPU pod slice (README)
 
 Read before: shardmap_dp.py. Read next: the README's section on routing and balance.
+Read more: GShard (Lepikhin et al. 2020, arXiv:2006.16668); Switch Transformers (Fedus et
+al. 2021, arXiv:2101.03961); DeepSeek-V3 (2024, arXiv:2412.19437).
 """
 
 import dataclasses

@@ -37,6 +37,7 @@ Run:
 
 Read before: pjit_tp.py and logical_pjit.py. Read next: the JAX docs' "Explicit sharding" and
 "Autodiff and sharding" pages.
+Read more: docs/three_ways.md; docs/concepts.md (the three modes).
 """
 
 import dataclasses

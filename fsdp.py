@@ -29,6 +29,8 @@ Run:
   python fsdp.py --distributed           # every host of a TPU pod slice (README)
 
 Read before: shardmap_dp.py. Read next: pjit_tp.py, where the compiler writes the collectives.
+Read more: ZeRO (Rajbhandari et al. 2020, arXiv:1910.02054); PyTorch FSDP (Zhao et al. 2023,
+arXiv:2304.11277).
 """
 
 import dataclasses

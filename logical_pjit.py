@@ -31,6 +31,8 @@ Run:
 
 Read before: pjit_tp.py. Read next: explicit_sharding.py, these presets on JAX's default mesh
 (Explicit axes, the layout in the arrays' types); MaxText, which scales them to real models.
+Read more: the Flax docs' "Scale up Flax modules on multiple devices" (logical axis
+rules); MaxText's configs, which state layouts this way.
 """
 
 import dataclasses

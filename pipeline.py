@@ -44,6 +44,8 @@ Run:
   python pipeline.py --distributed       # every host of a TPU pod slice (README)
 
 Read before: shardmap_dp.py. Read next: context_parallel.py, which splits the sequence instead.
+Read more: GPipe (Huang et al. 2019, arXiv:1811.06965); 1F1B and interleaving (Narayanan et
+al. 2021, arXiv:2104.04473); Zero Bubble (Qi et al. 2023, arXiv:2401.10241).
 """
 
 import dataclasses

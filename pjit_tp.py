@@ -37,6 +37,8 @@ Run:
 
 Read before: fsdp.py. Read next: logical_pjit.py, which states the same layout as rules, and
 explicit_sharding.py, which keeps JAX's default mesh (Explicit axes) and writes it in the types.
+Read more: Megatron-LM (Shoeybi et al. 2019, arXiv:1909.08053); sequence parallelism
+(Korthikanti et al. 2022, arXiv:2205.05198); GSPMD (Xu et al. 2021, arXiv:2105.04663).
 """
 
 import dataclasses

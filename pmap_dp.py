@@ -20,6 +20,8 @@ Run:
   python pmap_dp.py --distributed        # every host of a TPU pod slice (README)
 
 Read before: nothing, start here. Read next: shardmap_dp.py, the same algorithm on a mesh.
+Read more: docs/concepts.md; the JAX docs' "Parallel evaluation" (pmap) and "Migrating to
+shard_map".
 """
 
 import dataclasses

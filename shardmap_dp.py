@@ -18,6 +18,8 @@ Run:
   python shardmap_dp.py --distributed    # every host of a TPU pod slice (README)
 
 Read before: pmap_dp.py. Read next: fsdp.py, which shards what this script replicates.
+Read more: docs/concepts.md (varying and invariant values, pcast); the JAX docs' "Manual
+parallelism with shard_map".
 """
 
 import dataclasses

@@ -33,6 +33,8 @@ from tests.harness import (
     run_script,
     run_uncached,
     state_bytes,
+    EVERY_SCRIPT,
+    replica_groups,
 )
 
 REPORT_KEYS = {
@@ -531,3 +533,20 @@ def test_the_compiled_steps_flops_show_what_is_recomputed():
     assert ratio["micro"] == pytest.approx(ratio["dp"], rel=1e-6)
     assert 1.15 <= ratio["remat"] <= 1.25  # one forward of the blocks in three units again
     assert ratio["pipeline"] > 3
+
+
+@pytest.mark.parametrize("name", EVERY_SCRIPT + ["context_ulysses"])
+def test_the_report_says_what_a_ring_sends(name):
+    """Beside each collective's buffer bytes, what each device sends over a ring: an all-gather
+    or a reduce-scatter (N - 1) / N of its whole buffer, an all-reduce 2 (N - 1) / N, an
+    all-to-all (N - 1) / N, a collective-permute all of it; N from each op's own device groups,
+    read here by the tests' parser of XLA's three forms (tests/harness.py), not common.py's."""
+    summary = run(name).summary
+    expected = {op: 0.0 for op in common.COLLECTIVES}
+    for c in common.hlo_collectives(run(name).compiled.as_text()):
+        groups = replica_groups(c["line"])
+        n = len(next(iter(groups))) if groups else DEVICES
+        share = 1.0 if c["op"] == "collective-permute" else (n - 1) / n
+        expected[c["op"]] += c["runs"] * c["bytes"] * share * (2 if c["op"] == "all-reduce" else 1)
+    for op, c in summary["collectives"].items():
+        assert c["wire_bytes"] == pytest.approx(expected[op], rel=1e-9, abs=1e-9), op

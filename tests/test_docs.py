@@ -249,3 +249,30 @@ def test_the_three_ways_table_is_the_code():
     assert [mode for mode, _ in rows] == list(three_ways.MODES)
     for mode, lines in rows:
         assert int(lines) == three_ways.code_lines(*three_ways.LAYOUT[mode]), mode
+
+
+def concept_snippets():
+    text = (ROOT / "docs" / "concepts.md").read_text()
+    return re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+
+
+@pytest.mark.parametrize("index", range(len(concept_snippets())))
+def test_the_concepts_snippets_run(index, tmp_path):
+    """Every snippet of docs/concepts.md runs as it is, alone, and prints what its comments say
+    it prints."""
+    snippet = concept_snippets()[index]
+    (tmp_path / "snippet.py").write_text(snippet)
+    done = subprocess.run(
+        [sys.executable, "snippet.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = done.stdout.splitlines()
+    # What each print's comment says it prints: the comment up to a colon or an " as"
+    said = [
+        line.split("# ", 1)[1].split(":")[0].split(" as ")[0]
+        for line in snippet.splitlines()
+        if line.strip().startswith("print(") and "# " in line
+    ]
+    assert len(printed) == len(said)
+    for out, claim in zip(printed, said, strict=True):
+        assert claim in out, (out, claim)
