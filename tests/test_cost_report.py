@@ -550,3 +550,32 @@ def test_the_report_says_what_a_ring_sends(name):
         expected[c["op"]] += c["runs"] * c["bytes"] * share * (2 if c["op"] == "all-reduce" else 1)
     for op, c in summary["collectives"].items():
         assert c["wire_bytes"] == pytest.approx(expected[op], rel=1e-9, abs=1e-9), op
+
+
+def test_the_formulas_are_what_the_scripts_measure():
+    """docs/costs.md's formulas against the report: state per device 12P (data parallel),
+    12P / N (FSDP), 12P / M (HSDP), to the byte but for 8 bytes of counters; bytes sent per step
+    2 (N - 1)/N 4P for data parallelism's all-reduce, at most 3 (N - 1)/N 4P for FSDP (a gather
+    forward, one backward, a reduce-scatter; the head's pieces gathered once: within 10%), and
+    HSDP's all-reduce across its 2 groups 2 (R - 1)/R 4P / M."""
+    dp, fsdp_, hsdp = (run(name).summary for name in ("shardmap_dp", "fsdp", "hsdp"))
+    four_p = dp["param_bytes"]
+    assert dp["state_bytes_per_device"] == 3 * four_p + 8
+    assert fsdp_["state_bytes_per_device"] == 3 * four_p // 8 + 8
+    assert hsdp["state_bytes_per_device"] == 3 * four_p // 4 + 8
+
+    def sent(summary, *ops):
+        return sum(summary["collectives"][op]["wire_bytes"] for op in ops)
+
+    assert sent(dp, "all-reduce") == pytest.approx(2 * 7 / 8 * four_p, abs=64)
+    bound = 3 * 7 / 8 * four_p
+    fsdp_sent = sent(fsdp_, "all-gather", "reduce-scatter", "all-reduce")
+    assert 0.9 * bound <= fsdp_sent <= bound
+    assert sent(hsdp, "all-reduce") == pytest.approx(2 * 1 / 2 * four_p / 4, abs=64)
+    ratio = fsdp_sent / sent(dp, "all-reduce")
+    print(f"\nFSDP sends {ratio:.2f} x data parallelism's bytes per step")
+    assert 1.35 <= ratio <= 1.5
+    rows = (ROOT / "docs" / "costs.md").read_text()
+    for figure in (dp["state_bytes_per_device"], fsdp_["state_bytes_per_device"]):
+        assert f"{figure:,} B" in rows
+    assert f"{round(fsdp_sent):,} B, {ratio:.2f} ×" in rows
