@@ -16,11 +16,11 @@ entirely. The backward pass is JAX's autodiff of the ring: the transpose of each
 the keys' and values' gradients back around the ring, and each hop's attention is recomputed
 rather than stored (jax.checkpoint), so no device ever holds a whole sequence's scores. Each
 device computes the gradient of its pieces' loss, and one all-reduce averages the gradients.
---attention-split picks the other two forms of context parallelism (README, "Long
-sequences"): all-gather, every key and value gathered once per layer, the causal mask by their
-global positions; ulysses (DeepSpeed-Ulysses), an all-to-all that trades each device's pieces
-of the sequence for all of it on heads / N of the heads, one device's attention (any kernel)
-on those, and an all-to-all back.
+--attention-split picks the other two forms of context parallelism (docs/long_sequences.md):
+all-gather, every key and value gathered once per layer, the causal mask by their global
+positions; ulysses (DeepSpeed-Ulysses), an all-to-all that trades each device's pieces of the
+sequence for all of it on heads / N of the heads, one device's attention (any kernel) on those,
+and an all-to-all back.
 Collectives per step: per layer, N - 1 collective-permutes of a key and value block forward
 and N - 1 of their gradients backward (all-gather: an all-gather of the keys and one of the
 values, a reduce-scatter of each gradient; ulysses: 4 all-to-alls forward, 4 backward); one

@@ -522,7 +522,7 @@ def test_context_parallel_matches_on_eight():
     compare("context_parallel", run("context_parallel", **flags), reference(), flags)
 
 
-# The ways of splitting the sequence (README, "Long sequences"): Megatron's sequence parallelism
+# The ways of splitting the sequence (docs/long_sequences.md): Megatron's sequence parallelism
 # by table, by rules and in the types, and context parallelism's all-gather and Ulysses (the
 # ring, context_parallel.py's default, is every other test's). Each trains the mixture of
 # experts and tests/llama.py with micro-batches and clipping that binds, and runs in bfloat16.

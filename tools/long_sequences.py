@@ -1,5 +1,5 @@
 """What each way of splitting a long sequence costs, compiled on CPU (no step is run): the figures
-of the README's "Long sequences" table, each beside its formula.
+of docs/long_sequences.md's tables, each beside its formula.
 
 Context parallelism (context_parallel.py --attention-split), one layer's attention forward and
 backward on a mesh context=8 (the queries, keys and values [1, length, 8 heads, 32] = d 256),
@@ -21,7 +21,7 @@ layer's activations (Korthikanti et al. 2022, s the length, b the rows, h = d_mo
 = model): sbh (10 + 24 / t + 5 a s / (h t)) without, sbh (34 / t + 5 a s / (h t)) with.
 
   python tools/long_sequences.py             # both tables (under a minute on 2 cores)
-  python tools/long_sequences.py --write     # and put them into README.md
+  python tools/long_sequences.py --write     # and put them into docs/long_sequences.md
   python tools/long_sequences.py --lengths 1024 4096
 """
 
@@ -173,14 +173,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--models", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--write", action="store_true", help="put the tables into README.md")
+    parser.add_argument(
+        "--write", action="store_true", help="put the tables into docs/long_sequences.md"
+    )
     args = parser.parse_args()
     jax.config.update("jax_num_cpu_devices", 8)
     tables = {"sp": sequence_table(args.models), "cp": context_table(args.lengths)}
     for text in tables.values():
         print(text + "\n")
     if args.write:
-        readme = ROOT / "README.md"
+        readme = ROOT / "docs" / "long_sequences.md"
         text = readme.read_text()
         for key, table in tables.items():
             marker = re.compile(f"<!-- {key}:start -->.*?<!-- {key}:end -->", re.DOTALL)
