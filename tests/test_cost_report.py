@@ -579,3 +579,34 @@ def test_the_formulas_are_what_the_scripts_measure():
     for figure in (dp["state_bytes_per_device"], fsdp_["state_bytes_per_device"]):
         assert f"{figure:,} B" in rows
     assert f"{round(fsdp_sent):,} B, {ratio:.2f} ×" in rows
+
+
+def test_every_strategys_state_is_its_formula():
+    """docs/costs.md's second table: tensor parallelism 12 (P_model / 4 + P - P_model), the
+    pipeline 12P / S, context parallelism 12P, expert parallelism 12 (P_E / E' + P - P_E) less
+    the balance biases' missing moments; each to the byte, with 8 bytes of step counters."""
+    import pjit_tp
+
+    from tests.harness import MOE
+
+    def sizes(flags, names):
+        config = pjit_tp.Config(**{**SMALL, **flags})
+        boxes = [box for _, box in common.logical_names(config)]
+        return sum(b.value.size for b in boxes), sum(
+            b.value.size for b in boxes if set(b.names) & names
+        )
+
+    p, split = sizes({}, {"heads", "mlp", "vocab"})
+    moe_p, experts = sizes(MOE, {"expert"})
+    biases = SMALL["layers"] * MOE["experts"]
+    expected = {
+        "pjit_tp": 12 * (split // 4 + p - split),
+        "pipeline_1f1b": 12 * p // 2,
+        "context_parallel": 12 * p,
+        "expert_parallel": 12 * (experts // 4 + moe_p - experts) - 8 * biases,
+    }
+    page = (ROOT / "docs" / "costs.md").read_text()
+    for name, formula in expected.items():
+        measured = run(name).summary["state_bytes_per_device"]
+        assert measured == formula + 8, (name, measured, formula)
+        assert f"| {formula:,} B | {measured:,} B |" in page, name
