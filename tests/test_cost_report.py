@@ -575,7 +575,16 @@ def test_the_formulas_are_what_the_scripts_measure():
     ratio = fsdp_sent / sent(dp, "all-reduce")
     print(f"\nFSDP sends {ratio:.2f} x data parallelism's bytes per step")
     assert 1.35 <= ratio <= 1.5
+    # Tensor parallelism: 4L + 2 activation all-reduces over 'model' (4 devices), the gradients'
+    # all-reduce over 'data' (2), within 1% (the loss's sums over the vocabulary, the norm's)
+    tp = run("pjit_tp").summary
+    activation = SMALL["batch_size"] // 2 * SMALL["seq_len"] * SMALL["d_model"] * 4
+    tp_formula = (4 * SMALL["layers"] + 2) * 2 * 3 / 4 * activation + tp[
+        "state_bytes_per_device"
+    ] / 3
+    assert tp_formula <= sent(tp, "all-reduce") <= 1.01 * tp_formula
     rows = (ROOT / "docs" / "costs.md").read_text()
+    assert f"= {round(tp_formula - 8 / 3):,} B | {round(sent(tp, 'all-reduce')):,} B" in rows
     for figure in (dp["state_bytes_per_device"], fsdp_["state_bytes_per_device"]):
         assert f"{figure:,} B" in rows
     assert f"{round(fsdp_sent):,} B, {ratio:.2f} ×" in rows
