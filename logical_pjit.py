@@ -51,32 +51,24 @@ from jax.sharding import PartitionSpec as P
 # split, if UNSPLIT names it; any other name stops the run (exit 2), so that a new model's
 # parameter is never replicated unseen: give it a rule, or add its name to UNSPLIT.
 UNSPLIT = ("vocab", "pos", "embed", "heads", "kv_heads", "mlp", "norm", "layers", "expert")
+TP = (  # Megatron's layout: heads, MLP units and the vocabulary over 'model'
+    ("batch", "data"),
+    ("heads", "model"),
+    ("mlp", "model"),
+    ("vocab", "model"),
+    ("act_heads", "model"),
+    ("act_mlp", "model"),
+    ("act_vocab", "model"),
+)
 RULES = {
     "dp": (("batch", ("data", "model")),),
     "fsdp": (("batch", ("data", "model")), ("embed", ("data", "model"))),
     "hsdp": (("batch", ("data", "model")), ("embed", "model")),
-    "tp": (
-        ("batch", "data"),
-        ("heads", "model"),
-        ("mlp", "model"),
-        ("vocab", "model"),
-        ("act_heads", "model"),
-        ("act_mlp", "model"),
-        ("act_vocab", "model"),
-    ),
+    "tp": TP,
     # tp, and Megatron's sequence parallelism: between the matmuls (the residual stream, the
     # norms, dropout) the sequence split over 'model'. The first rule whose mesh axis is free
     # wins: an activation split by heads, MLP units or vocabulary keeps its whole sequence.
-    "tp_sp": (
-        ("batch", "data"),
-        ("heads", "model"),
-        ("mlp", "model"),
-        ("vocab", "model"),
-        ("act_heads", "model"),
-        ("act_mlp", "model"),
-        ("act_vocab", "model"),
-        ("length", "model"),
-    ),
+    "tp_sp": (*TP, ("length", "model")),
     "fsdp_tp": (
         ("batch", "data"),
         ("embed", "data"),
