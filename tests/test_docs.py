@@ -152,6 +152,7 @@ STRUCTURE = [
     "all-gather n / MB",
     "reduce-scatter n / MB",
     "other n / MB",
+    "sent MB/device",
 ]
 
 
@@ -189,6 +190,7 @@ def test_the_benchmark_table_is_what_the_scripts_compile(strategy):
             benchmark.collective_cell,
             (c["all-reduce"], c["all-gather"], c["reduce-scatter"], other),
         ),
+        benchmark.megabytes(sum(op["wire_bytes"] for op in c.values())),
     ]
     print(f"\n{strategy}: {mine}; temporaries {benchmark.megabytes(s['compiled_temp_bytes'])} MB")
     assert mine == [table[strategy][column] for column in STRUCTURE]
