@@ -57,7 +57,6 @@ from jax import lax
 import common
 
 from contextlib import nullcontext
-import flax
 import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
@@ -543,7 +542,7 @@ def run_blocks(blocks, x, rng, config, chunk=0, deltas=None):
             x, stats = model.Block(config).apply(
                 {"params": block_params}, x, not train, rngs=block_rngs
             )
-        return x, (stats, [x_in for _, x_in in kept])
+        return x, (stats, [x_in for _, x_in, _ in kept])
 
     layers = jax.tree.leaves(blocks)[0].shape[0]
     indices = chunk * layers + jnp.arange(layers)
@@ -553,11 +552,11 @@ def run_blocks(blocks, x, rng, config, chunk=0, deltas=None):
 
 def keep_dense(deltas, kept):
     """A Flax interceptor (zero-bubble's split backward): the k-th nn.Dense a block calls appends
-    (its kernel's path in the block, its input as it multiplies it, in the compute dtype) to
-    `kept` and adds deltas[k] (zeros) to its output. The gradient with respect to deltas[k] is
-    that layer's output gradient dy: with the input x, all the kernel's gradient x^T dy needs.
-    Any other layer (a mixture's experts, a norm) is left alone: its weights' gradient is
-    computed with the input's."""
+    (its kernel's path in the block, its input as it multiplies it, in the compute dtype, its
+    output) to `kept` and adds deltas[k] (zeros; none if `deltas` is None) to its output. The
+    gradient with respect to deltas[k] is that layer's output gradient dy: with the input x, all
+    the kernel's gradient x^T dy needs. Any other layer (a mixture's experts, a norm) is left
+    alone: its weights' gradient is computed with the input's."""
 
     def intercept(next_fun, args, kwargs, context):
         module = context.module
@@ -565,8 +564,8 @@ def keep_dense(deltas, kept):
             return next_fun(*args, **kwargs)
         (x,) = args
         dtype = module.dtype or jnp.result_type(x.dtype, module.param_dtype)
-        kept.append(((*module.path, "kernel"), x.astype(dtype)))
         y = next_fun(*args, **kwargs)
+        kept.append(((*module.path, "kernel"), x.astype(dtype), y))
         return y if deltas is None else y + deltas[len(kept) - 1]
 
     return intercept
@@ -577,28 +576,20 @@ def dense_calls(config, params, activation):
     block_params = jax.tree.map(lambda p: p[0, 0], params["blocks"])
     calls = []
 
-    def record(next_fun, args, kwargs, context):
-        y = next_fun(*args, **kwargs)
-        module = context.module
-        if type(module) is nn.Dense and context.method_name == "__call__":
-            dtype = module.dtype or jnp.result_type(args[0].dtype, module.param_dtype)
-            shape = jax.ShapeDtypeStruct(args[0].shape, dtype)
-            calls.append(((*module.path, "kernel"), shape, jax.ShapeDtypeStruct(y.shape, y.dtype)))
-        return y
-
     def run():
-        with nn.intercept_methods(record):
+        with nn.intercept_methods(keep_dense(None, calls)):
             block = common.model_pieces(config).Block(config)
-            return block.apply({"params": block_params}, activation, True)
+            block.apply({"params": block_params}, activation, True)
+        return [(x, y) for _, x, y in calls]
 
-    jax.eval_shape(run)
-    return calls
+    shapes = jax.eval_shape(run)
+    return [(path, x, y) for (path, *_), (x, y) in zip(calls, shapes, strict=True)]
 
 
 def with_kernel(grads, v, path, value):
     """The gradients with one block kernel's (at `path` in a block) for group v: `value`
     [layers, in, out], or zeros (None)."""
-    grads = flax.core.unfreeze(grads) if isinstance(grads, flax.core.FrozenDict) else dict(grads)
+    grads = dict(grads)
     blocks = grads["blocks"] = dict(grads["blocks"])
     *folders, name = path
     for folder in folders:
