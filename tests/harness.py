@@ -33,6 +33,9 @@ import shardmap_dp
 
 ROOT = Path(__file__).resolve().parent.parent
 DEVICES = 8  # conftest.py starts JAX with 8 emulated CPU devices
+# The JAX that docs/ was measured with: requirements.txt's. The pages' figures of XLA's buffers
+# are checked under it; another version's XLA sizes its temporaries otherwise.
+PINNED_JAX = f"jax=={jax.__version__}\n" in (ROOT / "requirements.txt").read_text()
 SMALL = dict(
     steps=20,
     batch_size=16,
