@@ -76,16 +76,8 @@ RULES = {
     # norms, dropout) the sequence split over 'model'. The first rule whose mesh axis is free
     # wins: an activation split by heads, MLP units or vocabulary keeps its whole sequence.
     "tp_sp": (*TP, ("length", "model")),
-    "fsdp_tp": (
-        ("batch", "data"),
-        ("embed", "data"),
-        ("heads", "model"),
-        ("mlp", "model"),
-        ("vocab", "model"),
-        ("act_heads", "model"),
-        ("act_mlp", "model"),
-        ("act_vocab", "model"),
-    ),
+    # tp, and FSDP's split of the weights' other axis over 'data'
+    "fsdp_tp": (*TP, ("embed", "data")),
 }
 
 
