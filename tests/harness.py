@@ -49,6 +49,8 @@ SMALL = dict(
     log_every=20,
     cpu_devices=DEVICES,
 )
+# The runs compared with one device evaluate once, after their 20 steps, on 2 held-out batches
+EVAL = dict(eval_every=20, eval_batches=2)
 RTOL = 1e-5  # per-step losses and final parameters within 1e-5 of one device, relative
 # A still smaller run, for the command line: seconds, not tens of seconds.
 TINY = [
@@ -152,7 +154,7 @@ def model_flags(name) -> dict:
 def run_uncached(name, **overrides):
     """Train a strategy on SMALL (with overrides) in this process; its common.Result."""
     module, strategy_flags = STRATEGIES[name]
-    config = module.Config(**{**SMALL, **strategy_flags, **overrides})
+    config = module.Config(**{**SMALL, **EVAL, **strategy_flags, **overrides})
     return module.main(config)
 
 

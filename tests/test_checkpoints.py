@@ -256,8 +256,9 @@ def test_a_resumed_run_keeps_every_metrics_record(tmp_path):
         metrics_file=str(metrics),
     )
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in records[:-1]] == list(range(1, 21)) and "summary" in records[-1]
-    assert [r["loss"] for r in records[:-1]] == first.losses  # bitwise: the same steps
+    steps = [(r["step"], "eval_loss" in r) for r in records[:-1]]  # the evaluation after step 20
+    assert steps == [(s, False) for s in range(1, 21)] + [(20, True)] and "summary" in records[-1]
+    assert [r["loss"] for r in records[:-2]] == first.losses  # bitwise: the same steps
     summary = records[-1]["summary"]
     assert (summary["steps"], summary["resumed_from"], summary["final_loss"]) == (
         20,

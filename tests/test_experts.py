@@ -170,7 +170,10 @@ def test_the_bias_moves_against_each_experts_excess_load():
     config = common.Config(**flags)
     state = common.create_state(config, common.make_model(config))
     batch = common.load_dataset(config).batch(0, 0, config.batch_size)
-    grads, metrics = common.accumulate_gradients(state, batch, state.rng, 1)
+    accumulate = jax.jit(
+        common.accumulate_gradients, static_argnums=3
+    )  # compiled: seconds, not tens
+    grads, metrics = accumulate(state, batch, state.rng, 1)
     tokens = config.batch_size * config.seq_len
     fair = tokens * config.top_k / config.experts
     excess = np.asarray(metrics["expert_tokens"]) - fair
@@ -180,7 +183,9 @@ def test_the_bias_moves_against_each_experts_excess_load():
     norm = optax.tree.norm(common.learned(grads))
     assert float(norm) < float(optax.tree.norm(grads))  # the entry is not in the norm
     assert float(norm) > config.clip_norm  # clipped: the bias's step does not shrink with it
-    after = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
+    after = jax.jit(
+        lambda state: state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
+    )(state)
     np.testing.assert_array_equal(
         after.params["block_0"]["mlp"]["router_bias"], -0.01 * np.sign(excess)
     )
@@ -204,6 +209,49 @@ def test_capacity_drops_the_later_tokens_and_counts_them():
     _, unlimited, *_ = mixture(0)
     _, stats = unlimited.apply({"params": params}, x, True)
     assert float(stats["dropped_tokens"]) == 0
+
+
+def test_capacity_routing_is_gshards_order():
+    """With a capacity, each expert takes a sequence's choices in GShard's order, every token's
+    first choice (along the sequence) before any token's second, and drops the choices past its
+    capacity. The mixture's output and drops against that order written as a plain loop, each
+    kept choice through its expert's MLP token by token, weighted by its renormalised gate."""
+    config, moe, params, *_, x = mixture(0.5)
+    room, (rows, length, _) = common.capacity(config, config.seq_len), x.shape
+    out, stats = moe.apply({"params": params}, x, True)
+    probs = np.asarray(jax.nn.softmax(x @ params["router"]["kernel"]))
+    chosen = np.argsort(-probs, axis=-1)[..., : config.top_k]
+    gates = np.take_along_axis(probs, chosen, -1)
+    gates /= gates.sum(-1, keepdims=True)
+    fc1, fc2 = params["fc1"], params["fc2"]
+    expected, dropped = np.zeros(x.shape, np.float32), 0
+    for r in range(rows):
+        taken = [0] * config.experts
+        for choice in range(config.top_k):  # first choices first, then second ones
+            for t in range(length):
+                e = chosen[r, t, choice]
+                if taken[e] == room:
+                    dropped += 1
+                    continue
+                taken[e] += 1
+                h = jax.nn.gelu(x[r, t] @ fc1["kernel"][e] + fc1["bias"][e])
+                expected[r, t] += gates[r, t, choice] * (h @ fc2["kernel"][e] + fc2["bias"][e])
+    assert 0 < dropped == float(stats["dropped_tokens"])
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-5 * float(np.abs(expected).max()))
+
+
+def test_the_router_computes_in_float32_under_bfloat16():
+    """Which experts a token goes to must not hang on bfloat16's rounding: the router's logits
+    are float32, its input's bfloat16 values times its float32 kernel."""
+    config, moe, params, *_, x = mixture(0, dtype="bfloat16")
+    x = x.astype(jnp.bfloat16)
+    _, found = moe.apply(
+        {"params": params}, x, True, capture_intermediates=True, mutable=["intermediates"]
+    )
+    (logits,) = found["intermediates"]["router"]["__call__"]
+    assert logits.dtype == jnp.float32
+    exact = np.asarray(x, np.float64) @ np.asarray(params["router"]["kernel"], np.float64)
+    np.testing.assert_allclose(logits, exact, rtol=0, atol=1e-5 * np.abs(exact).max())
 
 
 @pytest.mark.parametrize("even", [True, False])

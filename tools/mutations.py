@@ -1,9 +1,10 @@
-"""Put plausible parallelism bugs into the scripts, one at a time, and check that the tests catch
-each.
+"""Put plausible bugs into the scripts and common.py, one at a time, and check that the tests
+catch each.
 
 A catalogue of bugs that a careful person could write (a sum where a mean belongs, a collective
-left out or added, a ring turned the wrong way, a shared dropout key, ...), each one a single
-edit of one line that matters in a strategy's code. For each bug the tool copies the project
+left out or added, a ring turned the wrong way, a shared dropout key, a preset that splits
+nothing, a schedule that ends early, ...), each one a single edit of the lines that matter in a
+strategy's code or the lesson's. For each bug the tool copies the project
 into a temporary folder, makes the edit there, and runs the tests of `pytest` (not `-m full`)
 that should catch it, stopping at the first failure. A bug is caught when a test fails; the
 table says which test and how long it took. A bug the tests let through is a hole in the
@@ -13,7 +14,7 @@ The tests each bug runs are a part of the suite chosen to catch it quickly; ever
 is also in a plain `pytest`, so the whole suite catches it too. Before the bugs, the same tests
 run on the unchanged code and must pass (skip with --no-clean), so that a failure means the bug.
 
-  python tools/mutations.py                 # every bug; about 15 minutes on 2 cores
+  python tools/mutations.py                 # every bug; about 20 minutes on 2 cores
   python tools/mutations.py --only 3 7      # some of them
   python tools/mutations.py --write         # and rewrite the table in docs/mutations.md
   python tools/mutations.py --only 30 --write   # rewrite that bug's row, keep the others
@@ -34,6 +35,9 @@ PAGE = ROOT / "docs" / "mutations.md"
 MARKER = re.compile(r"<!-- mutations:start -->\n.*?<!-- mutations:end -->", re.DOTALL)
 EQ = "test_equivalence.py"
 DROPOUT = "tests/test_dropout.py::test_dropout_is_on_and_every_device_draws_its_own_masks"
+LESSON = "tests/test_lesson.py"
+EXPERTS = "tests/test_experts.py"
+MEANT = f"{EQ}::test_every_preset_is_what_its_strategy_means"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,6 +310,103 @@ BUGS = [
         "zero-bubble's B keeps the dense kernels' gradients as well as W making them: each "
         "counted twice",
         (f"{EQ}::test_matches_single_device_reference[pipeline_zero-bubble]",),
+    ),
+    # What equivalence cannot see, by construction. A bug in the lesson (common.py) is on both
+    # sides of every comparison with one device:
+    Bug(
+        "common.py",
+        'lambda path, _: _leaf_name(path) in ("kernel", "embedding"), params',
+        'lambda path, _: _leaf_name(path) != "bias", params',
+        "AdamW decays the norms' scales too: the decay mask is 'everything but biases'",
+        (f"{LESSON}::test_adamw_decays_the_kernels_and_embeddings_only",),
+    ),
+    Bug(
+        "common.py",
+        "decay_steps=max(config.steps, config.warmup_steps + 1),",
+        "decay_steps=max(config.steps - config.warmup_steps, 1),",
+        "the cosine reaches its floor --warmup-steps early: optax's decay_steps counts the "
+        "warm-up, and it was taken out twice",
+        (f"{LESSON}::test_the_learning_rate_warms_up_then_falls_along_a_cosine_to_a_tenth",),
+    ),
+    Bug(
+        "common.py",
+        "lambda g: jnp.where(norm < max_norm, g, (g / norm * max_norm).astype(g.dtype)), grads",
+        "lambda g: (g / norm * max_norm).astype(g.dtype), grads",
+        "clipping normalises every gradient to the bound: small gradients are scaled up",
+        (f"{LESSON}::test_clipping_scales_down_to_the_bound_and_never_up",),
+    ),
+    Bug(
+        "common.py",
+        "queue = choices.swapaxes(1, 2).reshape(rows, k * length, experts)  # first choices "
+        "first\n    places = (jnp.cumsum(queue, axis=1) - 1).reshape(rows, k, length, experts)"
+        ".swapaxes(1, 2)",
+        "queue = choices.reshape(rows, length * k, experts)\n"
+        "    places = (jnp.cumsum(queue, axis=1) - 1).reshape(rows, length, k, experts)",
+        "a full expert queues the choices token by token, not every first choice before any "
+        "second: a token's second choice can take the room of a later token's first",
+        (f"{EXPERTS}::test_capacity_routing_is_gshards_order",),
+    ),
+    Bug(
+        "common.py",
+        '            dtype=jnp.float32,\n            kernel_init=_init(("embed", None)),',
+        '            dtype=c.dtype,\n            kernel_init=_init(("embed", None)),',
+        "under --dtype bfloat16 the router computes its logits in bfloat16: which experts a "
+        "token goes to hangs on rounding",
+        (f"{EXPERTS}::test_the_router_computes_in_float32_under_bfloat16",),
+    ),
+    Bug(
+        "common.py",
+        "if c.remat:  # keep only each block's input",
+        "if c.remat and not c.scan_layers:  # keep only each block's input",
+        "--remat is dropped under --scan-layers: the same numbers, every block's activations kept",
+        (f"{LESSON}::test_remat_lowers_the_temporaries_with_or_without_scanned_layers",),
+    ),
+    # A preset that states the wrong layout agrees with itself: held to what its strategy means.
+    Bug(
+        "explicit_sharding.py",
+        '"fsdp": (("batch", ("data", "model")), ("embed", ("data", "model"))),',
+        '"fsdp": (("batch", ("data", "model")),),',
+        "explicit_sharding.py's fsdp preset splits no weight: data parallelism under FSDP's "
+        "name (no number changes)",
+        (f"{MEANT}[explicit_fsdp]",),
+    ),
+    Bug(
+        "explicit_sharding.py",
+        '"hsdp": (("batch", ("data", "model")), ("embed", "model")),',
+        '"hsdp": (("batch", ("data", "model")), ("embed", "data")),',
+        "explicit_sharding.py's hsdp shards over the 2 replicas instead of within the groups "
+        "of 4: half the state per device, not a quarter (no number changes)",
+        (f"{MEANT}[explicit_hsdp]",),
+    ),
+    Bug(
+        "explicit_sharding.py",
+        '"fsdp_tp": (*TP, ("embed", "data")),',
+        '"fsdp_tp": TP,',
+        "explicit_sharding.py's default, fsdp_tp, leaves out FSDP's split over 'data': tensor "
+        "parallelism alone (no number changes)",
+        (f"{MEANT}[explicit_fsdp_tp]",),
+    ),
+    # The held-out loss: on the wrong split, or on part of the batches
+    Bug(
+        "common.py",
+        'return [host_batch(dataset, config, i, "eval") for i in range(config.eval_batches)]',
+        "return [host_batch(dataset, config, i) for i in range(config.eval_batches)]",
+        "the runs evaluate on training batches, not held-out ones",
+        (f"{EQ}::test_matches_single_device_reference[shardmap_dp]",),
+    ),
+    Bug(
+        "common.py",
+        'SPLITS = {"train": 0, "eval": 1}',
+        'SPLITS = {"train": 0, "eval": 0}',
+        "the synthetic source's held-out split draws the training split's sequences",
+        (f"{LESSON}::test_the_held_out_batches_are_the_held_out_splits_and_never_trained_on",),
+    ),
+    Bug(
+        "pmap_dp.py",
+        'return lax.psum(common.eval_metrics(state, batch), "data")',
+        "return common.eval_metrics(state, batch)",
+        "pmap's held-out loss is one device's rows, not the batch's (a missing psum)",
+        (f"{EQ}::test_matches_single_device_reference[pmap_dp]",),
     ),
 ]
 
