@@ -18,9 +18,7 @@ import math
 import os
 import queue
 import re
-import shutil
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -28,7 +26,6 @@ import time
 import traceback
 import typing
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -1134,11 +1131,6 @@ class Config(TrainingConfig):
     debug_nans: bool = arg(
         False, "find the operation that first makes a NaN (JAX re-runs it op by op; slow)"
     )
-    stall_timeout: int = arg(
-        600,
-        "stop, with one line, when no step finishes for this many seconds (a stuck collective); "
-        "0: wait for ever",
-    )
 
     def batch_shards(self) -> int:
         """How many ways the global batch is split; scripts with a mesh override this."""
@@ -1187,7 +1179,6 @@ def check_flags(config: Config):
         "prefetch",
         "weight_decay",
         "clip_norm",
-        "stall_timeout",
     ):
         require(getattr(config, name) >= 0, name, f"must be zero or more, {example(name)}")
     require(0 <= config.dropout < 1, "dropout", f"must be in [0, 1), {example('dropout')}")
@@ -1797,7 +1788,6 @@ def setup(config: Config):
     before anything is compiled. main() calls it first, before touching any device. With
     several processes, every process checks its flags and compares them with the others', and
     all of them stop if one of them cannot go on."""
-    _survive_a_closed_stdout()
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _stop_while_starting)  # until Checkpoints takes Ctrl-C over
     try:
@@ -1831,42 +1821,6 @@ def _stop_while_starting(signum, frame):
     )
     sys.stdout.flush()
     os._exit(130)
-
-
-class _StdoutOfAPipe:
-    """sys.stdout that outlives its reader: `python fsdp.py | head -n 2` closes the pipe after
-    two lines, and the next print would raise BrokenPipeError and end the run. Output that can
-    no longer be read is dropped instead; the run goes on, and its metrics file and checkpoints
-    are written as before."""
-
-    def __init__(self, stream):
-        self.stream = stream
-
-    def write(self, text):
-        try:
-            return self.stream.write(text)
-        except BrokenPipeError:
-            self._drop_the_rest()
-            return len(text)
-
-    def flush(self):
-        try:
-            self.stream.flush()
-        except BrokenPipeError:
-            self._drop_the_rest()
-
-    def _drop_the_rest(self):
-        # What is still buffered goes nowhere
-        os.dup2(os.open(os.devnull, os.O_WRONLY), self.stream.fileno())
-
-    def __getattr__(self, name):
-        return getattr(self.stream, name)
-
-
-def _survive_a_closed_stdout():
-    # A terminal, a file or a pipe; not a test's capture
-    if sys.stdout is sys.__stdout__ and sys.stdout is not None:
-        sys.stdout = _StdoutOfAPipe(sys.stdout)
 
 
 def exit_bad_input(message: str):
@@ -1940,31 +1894,6 @@ def _start_devices(config: Config):
     jax.config.update("jax_debug_nans", config.debug_nans)
     if (config.coordinator_address or config.distributed) and not jax.distributed.is_initialized():
         _start_distributed(config)
-    try:
-        jax.devices()
-    except Exception as error:  # e.g. JAX_PLATFORMS=cuda with no CUDA plugin installed
-        raise SystemExit(f"error: {_backend_problem(error)}") from None
-
-
-def _backend_problem(error: Exception) -> str:
-    """One line saying why JAX could not start its devices, and what to do."""
-    reason = " ".join(str(error).split()).split(" (set JAX_PLATFORMS")[0] or type(error).__name__
-    platforms = os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or ""
-    plugins = {"cuda": "jax[cuda13]", "gpu": "jax[cuda13]", "tpu": "jax[tpu]", "rocm": "jax[rocm]"}
-    wanted = [plugins[p] for p in platforms.split(",") if p in plugins]
-    if wanted:  # an accelerator was asked for, and its plugin is missing or cannot start
-        return (
-            f"JAX cannot start the {platforms} backend ({reason}); install it with pip install "
-            f'"{wanted[0]}=={jax.__version__}" (README: Running on CPU, GPU and TPU), or unset '
-            "JAX_PLATFORMS to use the devices present"
-        )
-    if jax.distributed.is_initialized():  # gloo, between CPU processes, looks up this host's name
-        return (
-            f"JAX cannot start its devices ({reason}); with several processes each one must "
-            f"resolve its own host name ({socket.gethostname()}: check /etc/hosts or DNS) and "
-            "reach the others"
-        )
-    return f"JAX cannot start its devices ({reason})"
 
 
 def prepare_output_folders(config: Config):
@@ -2023,10 +1952,6 @@ def _start_distributed(config: Config):
             config.num_processes,
             config.process_id,
         )
-        if process_id:
-            _wait_for_coordinator(host, int(port), config.heartbeat_timeout)
-        else:
-            _check_port_is_free(int(port))
     require(
         config.heartbeat_timeout > 0,
         "heartbeat_timeout",
@@ -2034,44 +1959,17 @@ def _start_distributed(config: Config):
     )
     # CPU processes exchange collectives through gloo (TCP); GPUs and TPUs use their own links.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    # JAX waits for every process to join, then aborts with a C++ stack trace if one is missing;
-    # this watchdog says it in one line first. The wait releases Python's lock, so it can.
-    joined = threading.Event()
-
-    def watchdog():
-        if not joined.wait(config.heartbeat_timeout):
-            # What answers at the address is not a coordinator that lets us in
-            if config.process_id:
-                problem = (
-                    f"could not join process 0 at {config.coordinator_address} within "
-                    f"{config.heartbeat_timeout}s: check that process 0 runs with the same "
-                    "--coordinator-address and --num-processes, and that no other program listens "
-                    "on that port"
-                )
-            else:
-                who = "process 1" if config.num_processes == 2 else "not every process"
-                problem = (
-                    f"{who} did not join within {config.heartbeat_timeout}s: start every process "
-                    f"with --coordinator-address {config.coordinator_address} --num-processes "
-                    f"{config.num_processes} and its own --process-id (see its output if it was "
-                    "started)"
-                )
-            print(f"error: {problem}", file=sys.stderr, flush=True)
-            os._exit(1)
-
-    threading.Thread(target=watchdog, daemon=True).start()
     jax.distributed.initialize(
         address,
         processes,
         process_id,
-        initialization_timeout=config.heartbeat_timeout + 30,  # the watchdog's comes first
+        initialization_timeout=config.heartbeat_timeout,  # for every process to join
         # If a process dies, the runtime stops the others once its heartbeats are missing for
         # this long (or at once if it was process 0); a process that exits on an error waits
         # at most this long for the others at shutdown. Either way, no process hangs.
         heartbeat_timeout_seconds=config.heartbeat_timeout,
         shutdown_timeout_seconds=config.heartbeat_timeout,
     )
-    joined.set()
 
 
 def _compare_with_other_processes(config: Config, problem: str | None) -> str | None:
@@ -2137,39 +2035,6 @@ def _share_with_other_processes(report: dict, timeout: float) -> list:
     everyone = np.asarray(multihost_utils.process_allgather(padded))
     done.set()
     return [json.loads(row[:size].tobytes()) for row, size in zip(everyone, sizes, strict=True)]
-
-
-def _check_port_is_free(port: int):
-    """Process 0 serves the coordinator on this port: if another program holds it, JAX fails
-    with a traceback (once, a segmentation fault); say so in one line instead."""
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            probe.bind(("", port))
-        except OSError as error:
-            raise ConfigError(
-                f"--coordinator-address: port {port} is in use on this host ({error.strerror}); "
-                "stop what holds it or give every process another port, e.g. "
-                f"--coordinator-address {socket.gethostname()}:{port + 1}"
-            ) from None
-
-
-def _wait_for_coordinator(host: str, port: int, timeout: float):
-    """Wait until process 0 listens at host:port. JAX's own wait ends in a C++ abort with a
-    stack trace; this one ends in a line naming the address."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=1):
-                return
-        except OSError as error:
-            if time.monotonic() > deadline:
-                raise SystemExit(
-                    f"error: cannot reach the coordinator at {host}:{port} after {timeout}s "
-                    f"({error.strerror or error}); start process 0 with the same "
-                    "--coordinator-address, and check the host, the port and firewalls"
-                ) from None
-            time.sleep(0.5)
 
 
 def is_main_process() -> bool:
@@ -2377,9 +2242,8 @@ def _tfds_builder(config: Config):
 
 def _prepare(config: Config, builder):
     """Download and convert a TFDS dataset, from --tfds-manual-dir when given. A failure is one
-    line saying what to do, and leaves no partial download behind."""
+    line saying what to do."""
     import tensorflow_datasets as tfds
-    from tensorflow_datasets.core.download import downloader as tfds_downloader
 
     how = (
         "prepare it where the internet is reachable (run this command there once, with the same "
@@ -2411,38 +2275,16 @@ def _prepare(config: Config, builder):
         ) from None
     if is_main_process():
         print(f"preparing TFDS {config.dataset} in {builder.data_dir} (first use only)", flush=True)
-    # TFDS retries a failed download 10 times with growing pauses: 3.5 minutes before an
-    # offline machine hears it has no internet. Three tries still ride out a hiccup.
-    tfds_downloader.MAX_RETRIES = 3
-    data_dir = os.path.dirname(os.path.dirname(builder.data_dir))  # DATA_DIR/NAME/VERSION
-    before = {path for path in _tree(data_dir)}
     try:
         _hide_gpus_from_tensorflow()
         builder.download_and_prepare(
             download_config=tfds.download.DownloadConfig(manual_dir=config.tfds_manual_dir)
         )
-    except Exception as error:  # no network, no TensorFlow, a bad manual file, ...
-        # What the failed attempt left: partial files, then the folders it made that are empty.
-        for path in sorted(set(_tree(data_dir)) - before, reverse=True):
-            if ".tmp." in os.path.basename(path) or "incomplete" in os.path.basename(path):
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-            elif os.path.isdir(path) and not os.listdir(path):
-                os.rmdir(path)
+    except Exception as error:  # no network, a bad manual file, ...
         reason = " ".join(str(error).split()) or type(error).__name__
-        if isinstance(error, tfds.core.download.download_manager.NonMatchingChecksumError):
-            reason = (
-                f"a downloaded file is not the one {config.dataset} expects: its checksum differs"
-            )
         raise ConfigError(
             f"--dataset {config.dataset} is not prepared and preparing it failed ({reason}); {how}"
         ) from None
-
-
-def _tree(folder: str) -> list:
-    """Every file and folder below `folder`."""
-    return [
-        os.path.join(root, name) for root, dirs, files in os.walk(folder) for name in dirs + files
-    ]
 
 
 TENSORFLOW = "tensorflow-cpu==2.21.0"  # tested with the other pins; not in requirements.txt
@@ -2581,7 +2423,7 @@ class Checkpoints:
     checkpoint also records the run's flags (SHAPE_FLAGS, TRAJECTORY_FLAGS).
 
     Ctrl-C (SIGINT) and SIGTERM, what a TPU VM receives before maintenance, let the current step
-    finish, save it and stop the run; a second Ctrl-C stops at once.
+    finish, save it and stop the run; a second one is Python's own (KeyboardInterrupt).
     """
 
     def __init__(
@@ -2599,7 +2441,6 @@ class Checkpoints:
         # at which step to stop, so that all of them save the same one.
         handled = (signal.SIGINT, signal.SIGTERM) if jax.process_count() == 1 else (signal.SIGINT,)
         self.previous_handlers = {s: signal.signal(s, self._on_signal) for s in handled}
-        self._hear_signals_while_stuck()
         if not config.checkpoint_dir:
             return
         from orbax.checkpoint import v1 as ocp
@@ -2613,43 +2454,15 @@ class Checkpoints:
 
     def _on_signal(self, signum, frame):
         name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
-        if self.stop_signal is not None:
-            # A second signal: the listening thread stops the run (_hear_signals_while_stuck)
-            return
         self.stop_signal = signum
+        for handled, handler in self.previous_handlers.items():  # a second one: Python's own
+            signal.signal(handled, handler)
         what = (
             "save and stop" if self.checkpointer else "stop (no --checkpoint-dir: nothing is saved)"
         )
-        print(
-            f"{name}: the run will finish its step, {what}; {name} again stops at once", flush=True
-        )
+        print(f"{name}: the run will finish its step, {what}", flush=True)
         if jax.process_count() > 1:  # tell the other processes, through JAX's preemption service
             os.kill(os.getpid(), signal.SIGTERM)
-
-    def _hear_signals_while_stuck(self):
-        """Python runs a signal handler only when the main thread runs Python; a step stuck
-        inside XLA would keep it from ever running. The interpreter also writes each signal's
-        number to a 'wakeup' pipe the moment it arrives: a thread reading that pipe stops the
-        run at a second Ctrl-C or SIGTERM, wherever the main thread is."""
-        read, write = os.pipe()
-        os.set_blocking(write, False)
-        self.wakeup = (read, write, signal.set_wakeup_fd(write, warn_on_full_buffer=False))
-
-        def listen():
-            heard = 0
-            while chunk := os.read(read, 64):
-                for signum in chunk:
-                    heard += signum in self.previous_handlers
-                    if heard >= 2:
-                        name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
-                        print(
-                            f"{name} again: stopping now; the last complete checkpoint is kept",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-                        os._exit(128 + signum)
-
-        threading.Thread(target=listen, daemon=True).start()
 
     def restore(self, state):
         """The state of the newest readable checkpoint, laid out like `state`, and its step (0
@@ -2663,7 +2476,7 @@ class Checkpoints:
         failures = []
         for step in sorted((c.step for c in self.checkpointer.checkpoints), reverse=True):
             try:
-                saved, error = self._load(step, target), None
+                saved, error = self.checkpointer.load(step, target), None
                 # Saved by an older version, or damaged in a way Orbax cannot see
                 if not all_finite(saved):
                     saved, error = None, ValueError("it holds non-finite values")
@@ -2682,26 +2495,6 @@ class Checkpoints:
             f"--checkpoint-dir {self.config.checkpoint_dir} holds no readable checkpoint "
             f"({'; '.join(failures)}); give another folder, e.g. --checkpoint-dir runs/new"
         )
-
-    def _load(self, step: int, target):
-        """Checkpoint `step`, read into the layout of `target`. One written before clipping
-        left the optimizer kept the last clipping norm in front of AdamW's state: if the layout
-        of today does not read, that one is tried, and the norm, which the run does not need,
-        dropped; if neither reads, the error is today's."""
-        try:
-            return self.checkpointer.load(step, target)
-        except Exception as error:  # Orbax's errors have no common type
-            failure = error
-        norm = jax.ShapeDtypeStruct((), jnp.float32, sharding=target.step.sharding)
-        try:
-            saved = self.checkpointer.load(
-                step, target.replace(opt_state=({"norm": norm}, target.opt_state))
-            )
-        except Exception:
-            saved = None
-        if saved is None:
-            raise failure
-        return saved.replace(opt_state=saved.opt_state[1])
 
     def _set_aside(self, step: int, problem: str):
         """Move an unreadable checkpoint out of Orbax's way, to `STEP.unreadable`: left in place,
@@ -2785,15 +2578,9 @@ class Checkpoints:
         ) from None
 
     def close(self):
-        """Wait for the saves still being written; give the folder and the signals back."""
-        for watchdog in list(Watchdog.running):  # the loop is over, whatever ended it
-            watchdog.stop()
+        """Wait for the saves still being written; give the signals back."""
         for signum, handler in self.previous_handlers.items():
             signal.signal(signum, handler)
-        read, write, previous_fd = self.wakeup
-        signal.set_wakeup_fd(previous_fd)
-        # Ends the listening thread (its read returns nothing); it closes nothing else
-        os.close(write)
         if not self.checkpointer:
             return
         try:
@@ -2804,8 +2591,6 @@ class Checkpoints:
             except Exception as error:
                 if not self.failed:
                     self._fail(self.config.steps, error)
-            finally:
-                release_folder(self.config.checkpoint_dir)
 
 
 def _checkpoint_problem(error: Exception) -> str:
@@ -2887,46 +2672,6 @@ def log_print(text: str):
         print(text, flush=True)
 
 
-_HELD = {}  # the checkpoint folders this process holds: absolute path -> its open lock file
-
-
-def hold_folder(folder: str):
-    """Hold --checkpoint-dir for this run, so that a second run on the same folder stops at once
-    instead of interleaving its checkpoints with ours. The lock is the operating system's
-    (flock on FOLDER/.lock): it dies with the process, so a killed run never leaves it held."""
-    import fcntl
-
-    path = os.path.abspath(folder)
-    if path in _HELD or "://" in folder or not is_main_process():  # process 0 holds it for all
-        return
-    lock = open(os.path.join(path, ".lock"), "a+")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        holder = lock.read().strip() or "another run"
-        lock.close()
-        raise ConfigError(
-            f"--checkpoint-dir {folder} is in use by {holder}; one run at a time per folder: wait "
-            "for it to end, or give another folder, e.g. --checkpoint-dir runs/new"
-        ) from None
-    except OSError:  # a file system without locks (some network ones): run unprotected
-        return
-    lock.seek(0)
-    lock.truncate()
-    lock.write(
-        f"a run on host {socket.gethostname()}, process id {os.getpid()}, started {time.ctime()}\n"
-    )
-    lock.flush()
-    _HELD[path] = lock
-
-
-def release_folder(folder: str):
-    lock = _HELD.pop(os.path.abspath(folder), None)
-    if lock:
-        lock.close()  # closing the file releases the lock
-
-
 def checkpoint_steps(folder: str) -> list:
     """The steps of the checkpoints in a folder (its sub-folders named by a number), newest
     first."""
@@ -2938,13 +2683,12 @@ def checkpoint_steps(folder: str) -> list:
 
 
 def check_checkpoint(config: Config):
-    """Before anything is compiled: hold --checkpoint-dir, check that it is a checkpoint folder,
-    and that its newest readable checkpoint is of this model. Say which flags of the trajectory
+    """Before anything is compiled: check that --checkpoint-dir is a checkpoint folder, and that
+    its newest readable checkpoint is of this model. Say which flags of the trajectory
     changed since it was saved."""
     folder = config.checkpoint_dir
     if not folder or "://" in folder:
         return
-    hold_folder(folder)
     steps = checkpoint_steps(folder)
     if not steps:
         return
@@ -3430,40 +3174,6 @@ def host_value(x) -> float:
     return float(np.asarray(x.addressable_data(0)).ravel()[0])
 
 
-class Watchdog:
-    """Stops the run with one line when it makes no progress for `seconds`: a step whose
-    collective never completes (an emulated device's thread that never joins it, say) would
-    otherwise hang the run for good. The loop calls beat() whenever something finishes; the
-    run's end, however it comes, calls stop() (Logger.finish, Checkpoints.close)."""
-
-    running = weakref.WeakSet()
-
-    def __init__(self, seconds: int):
-        self.seconds, self.last, self.what = seconds, time.monotonic(), "starting"
-        self.stopped = threading.Event()
-        if seconds:
-            Watchdog.running.add(self)
-            threading.Thread(target=self._watch, name="stall-watchdog", daemon=True).start()
-
-    def beat(self, what: str):
-        self.last, self.what = time.monotonic(), what
-
-    def stop(self):
-        self.stopped.set()
-
-    def _watch(self):
-        while not self.stopped.wait(min(1.0, self.seconds / 4)):
-            if time.monotonic() - self.last > self.seconds:
-                print(
-                    f"error: no progress for {self.seconds}s after {self.what}: a step is stuck "
-                    "(on emulated CPU devices, a collective that one device never joined); "
-                    "stopping, the checkpoints saved so far are kept (see --stall-timeout)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                os._exit(1)  # a stuck XLA thread would stop an orderly exit too
-
-
 def stop_if_not_finite(loss: float, step: int, losses: list):
     """Stop the run (exit 1) at a non-finite loss, before anything after it is saved."""
     if not math.isfinite(loss):
@@ -3480,16 +3190,14 @@ class StepLosses:
 
     IN_FLIGHT = 2
 
-    def __init__(self, watchdog: Watchdog, layers: int):
-        self.values, self.grad_norms, self.pending, self.watchdog = [], [], [], watchdog
+    def __init__(self, layers: int):
+        self.values, self.grad_norms, self.pending = [], [], []
         self.router, self.layers = [], layers  # a mixture of experts' routing, step by step
 
     def add(self, step: int, metrics):
         self.pending.append((step, metrics))
         if len(self.pending) > self.IN_FLIGHT:
-            earlier, done = self.pending[-self.IN_FLIGHT - 1]
-            wait_until_ready(done)
-            self.watchdog.beat(f"step {earlier + 1}")
+            wait_until_ready(self.pending[-self.IN_FLIGHT - 1][1])
 
     def fetch(self) -> list:
         """Every loss so far, as numbers; the run stops at a non-finite one."""
@@ -3500,7 +3208,6 @@ class StepLosses:
             self.grad_norms.append(host_value(metrics["grad_norm"]))
             if "expert_tokens" in metrics:
                 self.router.append(routing(metrics, self.layers))
-            self.watchdog.beat(f"step {step + 1}")
         self.pending = []
         return self.values
 
@@ -3576,12 +3283,7 @@ class Logger:
     def __init__(self, config: Config, dataset, layout: str, report: dict, params, start: int):
         self.config, self.dataset, self.report, self.start = config, dataset, report, start
         self.tokens_per_step = config.batch_size * config.seq_len
-        self.watchdog = Watchdog(config.stall_timeout)
-        self.losses, self.step_seconds, self.eval_loss = (
-            StepLosses(self.watchdog, config.layers),
-            [],
-            None,
-        )
+        self.losses, self.step_seconds, self.eval_loss = StepLosses(config.layers), [], None
         self.data_seconds = []  # per step, how long the loop waited for its batch (train_batches)
         self.file, self.earlier = None, []  # earlier: the records of the steps before `start`
         if config.metrics_file and is_main_process():
@@ -3674,12 +3376,10 @@ class Logger:
         for _, metrics in self.losses.pending:  # let the steps before it finish first
             host_value(metrics["loss_sum"])
         start = time.perf_counter()
-        self.watchdog.beat(f"step {step + 1}, evaluating")
         fetched = [
             (host_value(m["loss_sum"]), host_value(m["tokens"]))
             for m in (eval_fn(state, b) for b in batches)
         ]
-        self.watchdog.beat(f"the evaluation at step {step + 1}")
         self.eval_loss = sum(loss for loss, _ in fetched) / sum(tokens for _, tokens in fetched)
         self.last_time += time.perf_counter() - start
         self.print(f"eval at step {step + 1}: held-out loss {self.eval_loss:.4f}")
@@ -3701,7 +3401,6 @@ class Logger:
     def finish(self, state, compiled) -> "Result":
         """Print and write the end-of-run report; return it with the final state and the
         compiled step (what the tests check)."""
-        self.watchdog.stop()
         if self.profiling:  # the run ended inside the traced steps
             jax.profiler.stop_trace()
         losses = self.losses.fetch()

