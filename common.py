@@ -26,6 +26,7 @@ import time
 import traceback
 import typing
 import warnings
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -1785,42 +1786,23 @@ def _shape_text(x) -> str:
 
 def setup(config: Config):
     """Start JAX on the right devices, then check the flags: bad input exits 2 with one line,
-    before anything is compiled. main() calls it first, before touching any device. With
-    several processes, every process checks its flags and compares them with the others', and
-    all of them stop if one of them cannot go on."""
+    before anything is compiled. main() calls it first, before touching any device. Several
+    processes first check that they were started alike, so that all of them stop together."""
     if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGINT, _stop_while_starting)  # until Checkpoints takes Ctrl-C over
+        # Ctrl-C before the first step ends the process at once (nothing is trained or saved
+        # yet), until Checkpoints takes it over: a KeyboardInterrupt inside JAX's start-up would
+        # leave its 60-second TPU-warning timer for the interpreter to wait for.
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         _start_devices(config)
-    except ConfigError as error:
-        exit_bad_input(str(error))
-    problem = None
-    try:
+        if jax.process_count() > 1:
+            same_start_everywhere(config)
         config.validate()
         prepare_output_folders(config)
         load_dataset(config)  # a dataset that cannot be read is bad input too
-        # And so is a checkpoint folder in use, unreadable or of another model
-        check_checkpoint(config)
+        check_checkpoint(config)  # and so is a checkpoint folder of another model
     except ConfigError as error:
-        problem = str(error)
-    if jax.process_count() > 1:
-        problem = _compare_with_other_processes(config, problem)
-    if problem:
-        exit_bad_input(problem)
-
-
-def _stop_while_starting(signum, frame):
-    """Ctrl-C before the first step: nothing was trained or saved, so nothing needs finishing.
-    Exit at once rather than raise SystemExit from wherever the main thread is: raised inside
-    JAX's backend start-up, it skips the cancel of a 60-second timer thread (xla_bridge's TPU
-    warning), and the interpreter would wait for that thread before exiting."""
-    print(
-        "Ctrl-C: stopped while starting, before any step; nothing was trained or saved",
-        file=sys.stderr,
-        flush=True,
-    )
-    sys.stdout.flush()
-    os._exit(130)
+        exit_bad_input(str(error))
 
 
 def exit_bad_input(message: str):
@@ -1972,69 +1954,22 @@ def _start_distributed(config: Config):
     )
 
 
-def _compare_with_other_processes(config: Config, problem: str | None) -> str | None:
-    """Every process shares its flags (all but --process-id), or the problem it found with
-    them, and reads the others'. Returns what stops this process: its own problem, another
-    process's, or the first flag that differs. Every process reaches the same verdict, so all
-    of them stop together, cleanly, before the train step is compiled."""
-    me = jax.process_index()
+def same_start_everywhere(config: Config):
+    """Raise ConfigError, on every process, unless all have as many devices and the same flags
+    but --process-id (their hashes gathered over the devices)."""
     counts = [sum(d.process_index == p for d in jax.devices()) for p in range(jax.process_count())]
-    if len(set(counts)) > 1:  # every process sees every process's devices, so all say this
-        return (
-            f"the processes have {', '.join(map(str, counts))} devices: every process needs as "
-            f"many, e.g. --cpu-devices {min(counts)} on each (on GPU and TPU hosts, as many "
-            "accelerators)"
-        )
+    require(
+        len(set(counts)) == 1,
+        "cpu_devices",
+        f"gives the processes {', '.join(map(str, counts))} devices: give each as many",
+    )
     flags = {
-        f.name: getattr(config, f.name)
+        f.name: np.uint32(zlib.crc32(repr(getattr(config, f.name)).encode()))
         for f in dataclasses.fields(config)
         if f.name != "process_id"
     }
-    reports = _share_with_other_processes(
-        {"problem": problem, "flags": flags}, config.heartbeat_timeout
-    )
-    if problem:
-        return problem  # this process stops for its own reason; the others learn it from its report
-    for other, theirs in enumerate(reports):
-        if other == me:
-            continue
-        if theirs["problem"]:
-            return f"process {other} stopped: {theirs['problem']}"
-        for name, value in flags.items():
-            if theirs["flags"].get(name) != value:
-                flag = "--" + name.replace("_", "-")
-                return (
-                    f"{flag} differs between processes: {value} on process {me}, "
-                    f"{theirs['flags'].get(name)} on process {other}; start every process with the "
-                    "same flags but --process-id"
-                )
-    return None
-
-
-def _share_with_other_processes(report: dict, timeout: float) -> list:
-    """Every process's `report` (JSON), in process order: gathered as bytes over the devices
-    (JAX has no public wrapper of its runtime's key-value store). A process that does not take
-    part within `timeout` seconds stops this one with one line instead of a wait without end."""
-    done = threading.Event()
-
-    def watchdog():
-        if not done.wait(timeout):
-            print(
-                f"error: not every process reached the check of the flags within {timeout}s: see "
-                "the other processes' output",
-                file=sys.stderr,
-                flush=True,
-            )
-            os._exit(1)
-
-    threading.Thread(target=watchdog, daemon=True).start()
-    mine = np.frombuffer(json.dumps(report).encode(), np.uint8)
-    sizes = np.asarray(multihost_utils.process_allgather(np.int32(mine.size)))
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[: mine.size] = mine
-    everyone = np.asarray(multihost_utils.process_allgather(padded))
-    done.set()
-    return [json.loads(row[:size].tobytes()) for row, size in zip(everyone, sizes, strict=True)]
+    for name, values in multihost_utils.process_allgather(flags).items():
+        require(len(set(np.asarray(values).tolist())) == 1, name, "differs between processes")
 
 
 def is_main_process() -> bool:
@@ -3440,18 +3375,12 @@ class Logger:
                 "waiting for data"
             )
             self.print(report_lines(summary))
-        # A program whose run is complete: a SIGTERM from here on, while the summary is written
-        # or the program winds down (JAX's shutdown: about half a second), ends it with
-        # success once the summary is written, not with status -15.
-        finished = _FROM_COMMAND_LINE and threading.current_thread() is threading.main_thread()
-        heard = []
-        if finished:
-            signal.signal(signal.SIGTERM, lambda *_: heard.append(True))
+        # A program whose run is complete ignores a SIGTERM from here on, while the summary is
+        # written and the program winds down (JAX's shutdown: about half a second): it ends with
+        # success, not with status -15.
+        if _FROM_COMMAND_LINE and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         self.write({"summary": summary})
         if self.file:
             self.file.close()
-        if finished:
-            if heard:
-                os._exit(0)
-            signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
         return Result(losses, self.losses.grad_norms, state, summary, compiled, self.losses.router)

@@ -497,9 +497,10 @@ def test_profile_writes_a_trace(tmp_path):
     assert len(traces) == 1 and traces[0].stat().st_size > 0
 
 
-def test_ctrl_c_while_starting_is_one_line(tmp_path):
+def test_ctrl_c_while_starting_ends_at_once(tmp_path):
     """Ctrl-C after JAX has started its devices but before the first step (here: while the
-    step compiles) stops the run with one line, exit 130 (before: a 16-line traceback)."""
+    step compiles) ends the process at once, as Ctrl-C's default does: nothing was trained or
+    saved yet (no traceback, no wait for JAX's threads)."""
     copy_alone("shardmap_dp", tmp_path)
     proc = subprocess.Popen(
         [sys.executable, "shardmap_dp.py", "--steps", "3", "--layers", "8"],
@@ -520,11 +521,7 @@ def test_ctrl_c_while_starting_is_one_line(tmp_path):
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-    assert proc.returncode == 130 and out == "", (out, err)
-    assert (
-        err.strip()
-        == "Ctrl-C: stopped while starting, before any step; nothing was trained or saved"
-    )
+    assert proc.returncode == -signal.SIGINT and out == "" and "Traceback" not in err, (out, err)
 
 
 def test_devices_far_behind_the_host_do_not_deadlock():
