@@ -175,8 +175,8 @@ class TrainingConfig:
 #      TIED = ("token/embedding",), is that one, stored once, in the embedding. Randomness
 #      only from Flax's 'dropout' rng (nn.Dropout).
 #
-# check_model (below the banner) tests all of this before anything is compiled, in one line per
-# breach. Activations carry logical constraints (nn.with_logical_constraint), inert unless a
+# tools/check.py tests all of this on shapes alone, in one line per breach (a run loads a model
+# without it; context_parallel.py checks its attention hook itself). Activations carry logical constraints (nn.with_logical_constraint), inert unless a
 # script installs rules: ("batch", "length", "act_embed") on the residual stream, and whole
 # along the sequence ("batch", None, "act_embed") where a norm's output enters a matmul, so that
 # sequence parallelism (pjit_tp.py --sequence-parallel) splits the one and gathers the other.
@@ -1140,7 +1140,7 @@ class Config(TrainingConfig):
     def validate(self):
         """Raise ConfigError naming the first bad flag; a script adds its own flags' checks."""
         check_flags(self)
-        check_model(self)  # the model keeps its contract (--model)
+        model_pieces(self)  # a --model that cannot be loaded is bad input too
 
 
 def check_flags(config: Config):
@@ -1260,6 +1260,12 @@ def check_flags(config: Config):
         "metrics_file",
         f"{config.metrics_file} is not a regular file; give a file's path, e.g. --metrics-file "
         "runs/metrics.jsonl",
+    )
+    require(
+        not config.tie_embeddings or config.model in MODELS,
+        "tie_embeddings",
+        f"ties the GPT's head; --model {config.model} says what its head ties in its file, e.g. "
+        'TIED = ("token/embedding",)',
     )
 
 
@@ -1555,199 +1561,6 @@ def make_model(
     return Model(config, model_pieces(config), wrap, hooks)
 
 
-def check_model(config: Config):
-    """The model contract, checked piece by piece on shapes alone (nothing is computed or
-    compiled): ConfigError naming the piece or parameter that breaks it, and what to do."""
-    require(
-        not config.tie_embeddings or config.model in MODELS,
-        "tie_embeddings",
-        f"ties the GPT's head to its token embedding; --model {config.model} says what its head "
-        'ties in its file, e.g. TIED = ("token/embedding",) (README: Your own model and data)',
-    )
-    pieces = model_pieces(config)
-    tokens = jax.ShapeDtypeStruct((2, config.seq_len), jnp.int32)
-    where = f"--model {config.model}:"
-    contract = "(common.py's model contract; README: Your own model and data)"
-
-    def build(piece, x):
-        # The random key is made inside eval_shape too: made outside, it would be computed
-        # (compiled).
-        try:
-            out, variables = jax.eval_shape(
-                lambda x: piece(config, PROBES).init_with_output(jax.random.key(0), x, True), x
-            )
-        except Exception as error:  # e.g. a piece reaching into another through self.parent
-            raise ConfigError(
-                f"{where} {piece.__name__} fails when built on its own, as pipeline.py runs "
-                f"each piece: {_failure(error, config.model)}; a piece uses only its own "
-                f"parameters, and a head reads the embedding's through TIED {contract}"
-            ) from None
-        for path, leaf in jax.tree_util.tree_leaves_with_path(
-            variables.get("params", {}), is_leaf=_is_boxed
-        ):
-            where_in = jax.tree_util.keystr(path, simple=True, separator="/")
-            name = f"{piece.__name__}'s parameter {where_in}"
-            if not isinstance(leaf, nn.LogicallyPartitioned):
-                raise ConfigError(
-                    f"{where} {name} has no logical axis names: declare it with "
-                    f"nn.with_logical_partitioning(init, names) (NNX: nnx.with_partitioning) "
-                    f"{contract}"
-                )
-            if len(leaf.names) != len(leaf.value.shape):
-                raise ConfigError(
-                    f"{where} {name} has {len(leaf.value.shape)} axes but names {leaf.names}: one "
-                    f"name per axis {contract}"
-                )
-        return out, variables
-
-    def calls(piece, variables, x):
-        """The hooks the piece calls, and whether it makes an arange along the sequence itself
-        (an iota [length] or [length, length] at this length and at one more: its own positions,
-        or its own causal mask)."""
-
-        def aranges(length):
-            shape = (x.shape[0], length, *x.shape[2:])
-            traced = jax.make_jaxpr(lambda v, x: piece(config, PROBES).apply(v, x, True))(
-                variables, jax.ShapeDtypeStruct(shape, x.dtype)
-            )
-            return any(s in ((length,), (length, length)) for s in _iota_shapes(traced.jaxpr))
-
-        called.clear()
-        own = aranges(x.shape[1]) and aranges(x.shape[1] + 1)
-        return set(called), own
-
-    x, embed_variables = build(pieces.Embed, tokens)
-    if not (isinstance(x, jax.ShapeDtypeStruct) and x.ndim == 3 and x.shape[:2] == tokens.shape):
-        raise ConfigError(
-            f"{where} Embed returns {_shape_text(x)} for tokens {_shape_text(tokens)}; it must "
-            f"return activations [batch, length, features] {contract}"
-        )
-    out, block_variables = build(pieces.Block, x)
-    sums = out[1] if isinstance(out, tuple) and len(out) == 2 else None
-    if not (
-        isinstance(out, tuple)
-        and len(out) == 2
-        and _shape_text(out[0]) == _shape_text(x)
-        and (
-            sums is None
-            or isinstance(sums, dict)
-            and all(s.dtype == jnp.float32 for s in jax.tree.leaves(sums))
-        )
-    ):
-        raise ConfigError(
-            f"{where} Block returns {_shape_text(out)} for activations {_shape_text(x)}; it must "
-            "return (activations of the same shape and dtype, None or a dict of float32 sums) "
-            f"{contract}"
-        )
-    # Contract point 3: the hooks a strategy replaces must be where attention and positions are
-    embed_hooks, embed_own = calls(pieces.Embed, embed_variables, tokens)
-    block_hooks, block_own = calls(pieces.Block, block_variables, x)
-    if "attend" not in block_hooks:
-        raise ConfigError(
-            f"{where} Block never calls self.attend(q, k, v): attention must go through that "
-            "hook, which context_parallel.py replaces with ring attention (each device holds "
-            f"pieces of every sequence) {contract}"
-        )
-    for name, own in (("Embed", embed_own), ("Block", block_own)):
-        if own:
-            raise ConfigError(
-                f"{where} {name} makes its own token positions or causal mask (an arange along "
-                "the sequence): take positions from self.positions(length) and attend through "
-                "self.attend, the hooks context_parallel.py replaces, where each device holds "
-                f"pieces of every sequence {contract}"
-            )
-    logits, head_variables = build(pieces.Head, x)
-    wanted = jax.ShapeDtypeStruct((*tokens.shape, config.vocab_size), jnp.float32)
-    if _shape_text(logits) != _shape_text(wanted):
-        raise ConfigError(
-            f"{where} Head returns {_shape_text(logits)}; it must return float32 logits "
-            f"{_shape_text(wanted)} (batch, length, --vocab-size) {contract}"
-        )
-    # Contract point 4: each piece stores its own parameters, but for what the head ties
-    alone = {
-        name: _parameter_shapes(variables.get("params", {}))
-        for name, variables in (
-            ("embed", embed_variables),
-            ("block_0", block_variables),
-            ("head", head_variables),
-        )
-    }
-    for path in pieces.tied:
-        for name in ("head", "embed"):
-            if path not in alone[name]:
-                raise ConfigError(
-                    f"{where} the head ties {path} to the embedding's, but "
-                    f"{'Head' if name == 'head' else 'Embed'} has no parameter {path}: TIED "
-                    f"names parameters at the same path in both, e.g. the head's "
-                    f'nn.Embed(name="token").attend(x) ties "token/embedding" {contract}'
-                )
-        if alone["head"][path] != alone["embed"][path]:
-            raise ConfigError(
-                f"{where} the head ties {path} {alone['head'][path]} to the embedding's "
-                f"{alone['embed'][path]}: a tied parameter has one shape and one set of axis "
-                f"names {contract}"
-            )
-        del alone["head"][path]
-    try:
-        whole = jax.eval_shape(
-            lambda: init_params(
-                make_model(dataclasses.replace(config, layers=1, scan_layers=False)),
-                jax.random.key(0),
-            )
-        )
-    except Exception as error:
-        raise ConfigError(
-            f"{where} the pieces fail when put together: {_failure(error, config.model)} {contract}"
-        ) from None
-    for name, own in alone.items():
-        stored = _parameter_shapes(whole.get(name, {}))
-        if stored != own:
-            moved = sorted(set(own).symmetric_difference(stored))
-            raise ConfigError(
-                f"{where} {dict(embed='Embed', block_0='Block', head='Head')[name]}'s parameter "
-                f"{moved[0] if moved else ''} is not where it is when the piece is built on its "
-                "own, as pipeline.py runs it: the pieces share a module, or a piece names its "
-                "parameters by its place. Only the head may share, the embedding's parameters, "
-                f'through TIED = ("token/embedding",) {contract}'
-            )
-
-
-called = []  # the hooks the pieces called while check_model traced them
-
-
-def _probe(name, hook):
-    def probe(*args):
-        called.append(name)
-        return hook(*args)
-
-    return probe
-
-
-# check_model's hooks: each records its call. Positions come out of a cumulative sum and
-# attention returns the queries, so that no arange along the sequence is the hooks' own.
-PROBES = Hooks(
-    attend=_probe("attend", lambda q, k, v: q),
-    positions=_probe("positions", lambda length: jnp.cumsum(jnp.ones(length, jnp.int32)) - 1),
-    to_experts=_probe("to_experts", experts_here),
-    dropless=_probe("dropless", dropless_here),
-    whole_sequence=_probe("whole_sequence", this_sequence),
-)
-
-
-def _iota_shapes(jaxpr) -> list:
-    """The shapes of every iota in a jaxpr and the jaxprs inside it."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "iota":
-            found.append(tuple(eqn.params["shape"]))
-        for param in eqn.params.values():
-            for inner in param if isinstance(param, (tuple, list)) else [param]:
-                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
-                if hasattr(inner, "eqns"):
-                    found += _iota_shapes(inner)
-    return found
-
-
 def logical_names(config: Config) -> list:
     """(path, box) of every parameter, its box holding the logical names of its axes."""
     boxed = jax.eval_shape(lambda: init_params(make_model(config), jax.random.key(0)))
@@ -1755,28 +1568,8 @@ def logical_names(config: Config) -> list:
     return [(jax.tree_util.keystr(path, simple=True, separator="/"), box) for path, box in leaves]
 
 
-def _parameter_shapes(params) -> dict:
-    """{path: (shape, logical names)} of a piece's parameters."""
-    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_boxed)
-    return {
-        jax.tree_util.keystr(path, simple=True, separator="/"): (
-            tuple(box.value.shape),
-            getattr(box, "names", None),
-        )
-        for path, box in leaves
-    }
-
-
 def _is_boxed(x):
     return isinstance(x, nn.meta.AxisMetadata)
-
-
-def _shape_text(x) -> str:
-    if isinstance(x, tuple):
-        return "(" + ", ".join(map(_shape_text, x)) + ")"
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return f"{x.dtype}{list(x.shape)}"
-    return repr(x)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -105,6 +105,18 @@ class Config(common.Config):
             f"must split into 2 x context = {pieces} equal pieces, e.g. --seq-len "
             f"{pieces * max(1, self.seq_len // pieces)}",
         )
+        # A model attending without the hook this script replaces would attend within each
+        # device's pieces only, and train another model silently: traced once, on shapes.
+        called = []
+
+        def attend(q, k, v):
+            called.append(q)
+            return q
+
+        model = common.make_model(self, hooks=common.Hooks(attend=attend))
+        tokens = jax.ShapeDtypeStruct((1, self.seq_len), jnp.int32)
+        jax.eval_shape(lambda tokens: model.init(jax.random.key(0), tokens), tokens)
+        common.require(called, "model", "never calls self.attend(q, k, v), which this replaces")
 
 
 def make_mesh(config):

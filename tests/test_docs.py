@@ -283,3 +283,12 @@ def test_the_concepts_snippets_run(index, tmp_path):
     assert len(printed) == len(said)
     for out, claim in zip(printed, said, strict=True):
         assert claim in out, (out, claim)
+
+
+def test_the_readmes_line_counts_are_the_files():
+    """Every 'N lines' the README gives a file of tests/ is that file's length now."""
+    text = (ROOT / "README.md").read_text()
+    found = re.findall(r"\[`(tests/\w+\.py)`\]\(tests/\w+\.py\)[^\[]{0,200}?(\d+) lines", text)
+    assert len(found) >= 2, found
+    for path, lines in found:
+        assert len((ROOT / path).read_text().splitlines()) == int(lines), path

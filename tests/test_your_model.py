@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import common
+from tools import check
 from tests.harness import ROOT, SCRIPTS, SMALL, TINY, copy_alone, run_script, run_uncached
 
 LLAMA = (ROOT / "tests" / "llama.py").read_text()
@@ -129,24 +130,40 @@ BREACHES = [
     "change, message", BREACHES, ids=[message.split(":")[0] for _, message in BREACHES]
 )
 def test_a_model_that_breaks_the_contract_is_one_line(change, message, tmp_path, capsys):
-    """Each breach stops the run before anything is compiled: exit 2, one line naming the
-    piece or parameter and what to do."""
+    """tools/check.py finds each breach on shapes alone: exit 2, one line naming the piece or
+    parameter and what to do."""
     (tmp_path / "bad.py").write_text(broken(change))
     assert message in refused(tmp_path / "bad.py", capsys)
 
 
 def refused(model, capsys, *flags):
-    """fsdp.py's one line for a model file (a path of its own: a process loads a --model once),
-    with exit 2 and nothing on stdout."""
+    """tools/check.py's one line for a model file (a path of its own: a process loads a --model
+    once), with exit 2 and nothing on stdout."""
     with pytest.raises(SystemExit) as exit_info:
-        SCRIPTS["fsdp"].main(
-            common.parse_config(
-                SCRIPTS["fsdp"].Config, None, [*TINY, "--model", str(model), *flags]
-            )
-        )
+        check.main([*TINY, "--model", str(model), *flags])
     out, err = capsys.readouterr()
     assert exit_info.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     return err
+
+
+def test_the_checker_passes_the_tests_models(capsys):
+    for model in ("gpt", "tests.llama", "tests.tied_llama", "tests.nnx_llama"):
+        check.main([*TINY, "--model", model])
+        assert capsys.readouterr().out == f"--model {model} keeps the scripts' contract\n"
+
+
+def test_context_parallel_refuses_attention_that_bypasses_its_hook(tmp_path, capsys):
+    """The one check a run keeps: context_parallel.py replaces self.attend, so a model attending
+    without it would train another model silently. Exit 2, one line, nothing compiled."""
+    (tmp_path / "bypass.py").write_text(broken(BREACHES[7][0]))
+    config = [*TINY, "--model", str(tmp_path / "bypass.py")]
+    with pytest.raises(SystemExit) as exit_info:
+        SCRIPTS["context_parallel"].main(
+            common.parse_config(SCRIPTS["context_parallel"].Config, None, config)
+        )
+    out, err = capsys.readouterr()
+    assert exit_info.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "--model never calls self.attend(q, k, v)" in err
 
 
 TIED_LLAMA = (ROOT / "tests" / "tied_llama.py").read_text()
