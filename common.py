@@ -176,10 +176,11 @@ class TrainingConfig:
 #      only from Flax's 'dropout' rng (nn.Dropout).
 #
 # tools/check.py tests all of this on shapes alone, in one line per breach (a run loads a model
-# without it; context_parallel.py checks its attention hook itself). Activations carry logical constraints (nn.with_logical_constraint), inert unless a
-# script installs rules: ("batch", "length", "act_embed") on the residual stream, and whole
-# along the sequence ("batch", None, "act_embed") where a norm's output enters a matmul, so that
-# sequence parallelism (pjit_tp.py --sequence-parallel) splits the one and gathers the other.
+# without it; context_parallel.py checks its attention hook itself). Activations carry logical
+# constraints (nn.with_logical_constraint), inert unless a script installs rules: ("batch",
+# "length", "act_embed") on the residual stream, and whole along the sequence ("batch", None,
+# "act_embed") where a norm's output enters a matmul, so that sequence parallelism (pjit_tp.py
+# --sequence-parallel) splits the one and gathers the other.
 # ----------------------------------------------------------------------------------------------
 
 
