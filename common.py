@@ -1341,7 +1341,7 @@ def parse_config(config_class=Config, doc: str | None = None, argv: list | None 
 
 
 # ----------------------------------------------------------------------------------------------
-# The model a flag names: --model's pieces, --attention's kernel, the contract checked
+# The model a flag names: --model's pieces, --attention's kernel
 # ----------------------------------------------------------------------------------------------
 
 
