@@ -1582,10 +1582,11 @@ def setup(config: Config):
     """Start JAX on the right devices, then check the flags: bad input exits 2 with one line,
     before anything is compiled. main() calls it first, before touching any device. Several
     processes first check that they were started alike, so that all of them stop together."""
-    if threading.current_thread() is threading.main_thread():
-        # Ctrl-C before the first step ends the process at once (nothing is trained or saved
-        # yet), until Checkpoints takes it over: a KeyboardInterrupt inside JAX's start-up would
-        # leave its 60-second TPU-warning timer for the interpreter to wait for.
+    if _FROM_COMMAND_LINE and threading.current_thread() is threading.main_thread():
+        # Ctrl-C before the first step ends the program at once (nothing is trained or saved
+        # yet), until Checkpoints takes it over; code that calls main() keeps its own handler.
+        # (A KeyboardInterrupt inside JAX's start-up would leave its 60-second TPU-warning timer
+        # for the interpreter to wait for.)
         signal.signal(signal.SIGINT, signal.SIG_DFL)
     try:
         _start_devices(config)

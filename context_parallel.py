@@ -113,7 +113,7 @@ class Config(common.Config):
             called.append(q)
             return q
 
-        model = common.make_model(self, hooks=common.Hooks(attend=attend))
+        model = common.Model(self, common.model_pieces(self), hooks=common.Hooks(attend=attend))
         tokens = jax.ShapeDtypeStruct((1, self.seq_len), jnp.int32)
         jax.eval_shape(lambda tokens: model.init(jax.random.key(0), tokens), tokens)
         common.require(called, "model", "never calls self.attend(q, k, v), which this replaces")
