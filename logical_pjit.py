@@ -239,7 +239,7 @@ def main(config):
     layout = f"mesh data={mesh.shape['data']},model={mesh.shape['model']}, rules {config.rules}"
     log = common.Logger(config, dataset, layout, report, state.params, start)
     try:
-        # Made ahead, in a thread
+        # Each made while the devices run the step before (JAX dispatches asynchronously)
         for step, rows in common.train_batches(dataset, config, start, log):
             batch = device_batch(rows, mesh, rules)
             # The program compiled above, which the report describes.

@@ -119,7 +119,7 @@ def main(config):
     layout = f"pmap over {jax.local_device_count()} local devices, state replicated"
     log = common.Logger(config, dataset, layout, report, state.params, start)
     try:
-        # Made ahead, in a thread
+        # Each made while the devices run the step before (JAX dispatches asynchronously)
         for step, rows in common.train_batches(dataset, config, start, log):
             batch = device_batch(rows)
             # pmap runs the program compiled above (it caches it; the tests check that nothing

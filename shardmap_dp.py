@@ -113,7 +113,7 @@ def main(config):
     layout = f"mesh data={mesh.shape['data']}, state replicated"
     log = common.Logger(config, dataset, layout, report, state.params, start)
     try:
-        # Made ahead, in a thread
+        # Each made while the devices run the step before (JAX dispatches asynchronously)
         for step, rows in common.train_batches(dataset, config, start, log):
             batch = device_batch(rows, mesh)
             # The program compiled above, which the report describes.

@@ -1,12 +1,11 @@
 """The command line, from a folder holding only the script and common.py: --help, bad input
 (one line, exit 2, nothing compiled), and what a run does from start to end: the same flags
-give the same losses, a non-finite loss stops it, --debug-nans, and the loop runs the
-program the report describes."""
+give the same losses, a non-finite loss stops it, and the loop runs the program the report
+describes."""
 
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -165,29 +164,29 @@ BAD_INPUTS = [
         ("context_parallel",),
         "--seq-len must split into 2 x context = 8 equal pieces",
     ),
-    (["--experts", "-1"], ("fsdp",), "--experts must be zero or more"),
+    (["--experts", "-1"], ("fsdp",), "--experts must be at least 0"),
     (["--experts", "8", "--top-k", "9"], ("fsdp",), "--top-k must be from 1 to --experts 8"),
     (["--experts", "2", "--top-k", "0"], ("pjit_tp",), "--top-k must be from 1 to --experts 2"),
     (
         ["--experts", "8", "--capacity-factor", "-1"],
         ("shardmap_dp",),
-        "--capacity-factor must be zero or more",
+        "--capacity-factor must be at least 0",
     ),
     (
         ["--experts", "8", "--shared-experts", "-1"],
         ("expert_parallel",),
-        "--shared-experts must be zero or more, e.g. --shared-experts 1",
+        "--shared-experts must be at least 0, e.g. --shared-experts 0",
     ),
     (["--shared-experts", "1"], ("fsdp",), "--shared-experts needs --experts"),
     (
         ["--experts", "8", "--router-bias-rate", "nan"],
         ("expert_parallel",),
-        "--router-bias-rate must be a finite float32 number",
+        "--router-bias-rate must be a finite float32",
     ),
     (
         ["--experts", "8", "--router-bias-rate", "-0.001"],
         ("fsdp",),
-        "--router-bias-rate must be zero or more",
+        "--router-bias-rate must be at least 0",
     ),
     (["--router-bias-rate", "0.001"], ("pjit_tp",), "--router-bias-rate needs --experts"),
     (["--experts", "4", "--top-k", "5"], ("expert_parallel",), "--top-k must be from 1 to"),
@@ -206,22 +205,21 @@ BAD_INPUTS = [
         ("expert_parallel",),
         "has no parameter with an axis named 'expert'",
     ),
-    (["--steps", "0"], SCRIPTS, "--steps must be positive"),
-    (["--layers", "0"], SCRIPTS, "--layers must be positive"),
-    (["--seq-len", "-1"], SCRIPTS, "--seq-len must be positive"),
+    (["--steps", "0"], SCRIPTS, "--steps must be at least 1"),
+    (["--layers", "0"], SCRIPTS, "--layers must be at least 1"),
+    (["--seq-len", "-1"], SCRIPTS, "--seq-len must be at least 1"),
     (["--lr", "0"], SCRIPTS, "--lr must be positive"),
-    (["--lr", "inf"], ("fsdp",), "--lr must be a finite float32 number"),
-    (["--lr", "1e39"], ("fsdp",), "--lr must be a finite float32 number"),
-    (["--weight-decay", "inf"], ("fsdp",), "--weight-decay must be a finite float32 number"),
-    (["--clip-norm", "nan"], ("fsdp",), "--clip-norm must be a finite float32 number"),
-    (["--vocab-size", "100000000"], ("fsdp",), "--vocab-size must be from 8 to 1,048,576"),
-    (["--metrics-file", "/dev/null"], ("fsdp",), "--metrics-file /dev/null is not a regular file"),
-    (["--cpu-devices", "0"], SCRIPTS, "--cpu-devices must be positive"),
-    (["--microbatches", "0"], ("pmap_dp",), "--microbatches must be positive"),
-    (["--log-every", "0"], ("pmap_dp",), "--log-every must be positive"),
-    (["--dropout", "1"], ("pmap_dp",), "--dropout must be in [0, 1)"),
-    (["--warmup-steps", "-1"], ("pmap_dp",), "--warmup-steps must be zero or more"),
-    (["--prefetch", "-1"], ("pipeline",), "--prefetch must be zero or more"),
+    (["--lr", "inf"], ("fsdp",), "--lr must be a finite float32"),
+    (["--lr", "1e39"], ("fsdp",), "--lr must be a finite float32"),
+    (["--weight-decay", "inf"], ("fsdp",), "--weight-decay must be a finite float32"),
+    (["--clip-norm", "nan"], ("fsdp",), "--clip-norm must be a finite float32"),
+    (["--vocab-size", "100000000"], ("fsdp",), "--vocab-size must be at most 1,048,576"),
+    (["--metrics-file", "/dev/null"], ("fsdp",), "--metrics-file /dev/null is not a file"),
+    (["--cpu-devices", "0"], SCRIPTS, "--cpu-devices must be at least 1"),
+    (["--microbatches", "0"], ("pmap_dp",), "--microbatches must be at least 1"),
+    (["--log-every", "0"], ("pmap_dp",), "--log-every must be at least 1"),
+    (["--dropout", "1"], ("pmap_dp",), "--dropout must be below 1"),
+    (["--warmup-steps", "-1"], ("pmap_dp",), "--warmup-steps must be at least 0"),
     (["--min-shard-size", "-1"], ("fsdp",), "--min-shard-size must be zero or more"),
     (["--keep-gathered", "--remat"], ("fsdp",), "--keep-gathered keeps the gathered parameters"),
     (["--dtype", "float16"], SCRIPTS, "argument --dtype: invalid choice: 'float16'"),
@@ -232,7 +230,7 @@ BAD_INPUTS = [
         SCRIPTS,
         "--metrics-file FILE/metrics.jsonl cannot be written",
     ),
-    (["--metrics-file", "FOLDER"], ("fsdp",), "--metrics-file FOLDER is a folder"),
+    (["--metrics-file", "FOLDER"], ("fsdp",), "--metrics-file FOLDER is not a file"),
     (
         ["--metrics-file", "/proc/no/such/dir/m.jsonl"],
         ("fsdp",),
@@ -249,12 +247,12 @@ BAD_INPUTS = [
     (
         ["--coordinator-address", "localhost", "--num-processes", "2"],
         ("pmap_dp",),
-        "must be host:port",
+        "--coordinator-address is not host:port",
     ),
     (
         ["--coordinator-address", "localhost:1", "--num-processes", "2", "--process-id", "2"],
         ("pmap_dp",),
-        "--process-id must be in 0..1",
+        "--process-id must be < --num-processes",
     ),
     (
         ["--heartbeat-timeout", "0", "--coordinator-address", "localhost:1"],
@@ -348,20 +346,6 @@ def test_same_flags_same_losses_bitwise(name):
     )
 
 
-def test_debug_nans_turns_on_jax_nan_checks(tmp_path):
-    """With --debug-nans, JAX's own check stops the first step whose output holds a NaN (and
-    re-runs it op by op to name the operation when it can), before the loss check would."""
-    # As users run it: with conftest.py's lower XLA backend optimisation level, JAX's check
-    # did not fire here (the run still stopped at the NaN loss, by the scripts' own check).
-    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
-    # One device: JAX re-runs the failing step op by op, 100 s on 8 emulated devices, 20 s on one.
-    flags = [*TINY, "--steps", "6", "--lr", "1e6", "--debug-nans", "--cpu-devices", "1"]
-    done = run_script("shardmap_dp", tmp_path, *flags, env=env)
-    assert done.returncode != 0
-    assert re.search(r"FloatingPointError: .*nan", done.stderr), done.stderr[-3000:]
-    assert "stopped: the loss is nan" not in done.stderr
-
-
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_bad_batch_size_exits_2_with_one_line(script, tmp_path):
     done = run_script(script, tmp_path, *TINY, "--batch-size", "9")  # no mesh here splits 9 rows
@@ -426,7 +410,6 @@ def test_a_step_too_big_for_the_devices_exits_2(flags, capsys):
     """Compiled for shapes before anything is allocated, the step's memory is compared with the
     devices': one line saying what it needs, what there is and which flags reduce it, within
     seconds (before: minutes of silence building held-out batches, then out of memory)."""
-    import time
 
     module = SCRIPTS["fsdp"]
     start = time.monotonic()
@@ -437,7 +420,7 @@ def test_a_step_too_big_for_the_devices_exits_2(flags, capsys):
     print(f"\n{' '.join(flags)}: {seconds:.1f}s: {err.strip()[:160]}")
     assert exit_info.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert re.search(
-        r"the train step needs [\d,.]+ GB per device .* but a cpu device has [\d,.]+ [GM]B", err
+        r"the train step needs [\d,.]+ GB per device, a cpu device has [\d,.]+ GB", err
     )
     assert "--batch-size" in err and "--microbatches" in err and "--remat" in err
     assert seconds < 120
@@ -446,22 +429,6 @@ def test_a_step_too_big_for_the_devices_exits_2(flags, capsys):
 def test_no_held_out_batch_is_built_without_evaluation():
     config = common.Config(**{**SMALL, "eval_every": 0})
     assert common.eval_batches(common.load_dataset(config), config) == []
-
-
-def test_xla_flags_device_count_is_respected(tmp_path):
-    """XLA_FLAGS' device count holds unless --cpu-devices is given, which then says it wins."""
-    env = {
-        **os.environ,
-        "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
-    }
-    done = run_script("shardmap_dp", tmp_path, *TINY, env=env)
-    assert done.returncode == 0 and done.stdout.startswith("4 cpu devices"), done.stdout[:200]
-    done = run_script("shardmap_dp", tmp_path, *TINY, "--cpu-devices", "2", env=env)
-    assert done.returncode == 0 and done.stdout.startswith("2 cpu devices"), done.stdout[:200]
-    assert (
-        done.stderr.strip()
-        == "--cpu-devices 2 overrides XLA_FLAGS' --xla_force_host_platform_device_count=4"
-    )
 
 
 def test_emulated_devices_may_be_late_to_a_collective(tmp_path):
@@ -495,33 +462,6 @@ def test_profile_writes_a_trace(tmp_path):
     assert "profile of steps 2-4 written to runs/profile" in done.stdout
     traces = list((tmp_path / "runs" / "profile").rglob("*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0
-
-
-def test_ctrl_c_while_starting_ends_at_once(tmp_path):
-    """Ctrl-C after JAX has started its devices but before the first step (here: while the
-    step compiles) ends the process at once, as Ctrl-C's default does: nothing was trained or
-    saved yet (no traceback, no wait for JAX's threads)."""
-    copy_alone("shardmap_dp", tmp_path)
-    proc = subprocess.Popen(
-        [sys.executable, "shardmap_dp.py", "--steps", "3", "--layers", "8"],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while not any(
-            "XLAEigen" in open(f"/proc/{proc.pid}/task/{t}/comm").read()
-            for t in os.listdir(f"/proc/{proc.pid}/task")
-        ):
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.02)
-        proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        proc.kill()
-    assert proc.returncode == -signal.SIGINT and out == "" and "Traceback" not in err, (out, err)
 
 
 def test_devices_far_behind_the_host_do_not_deadlock():

@@ -4,7 +4,8 @@ the synthetic source's loss floor; real text through TFDS, on a dataset the test
 
 import json
 import os
-import threading
+import subprocess
+import sys
 import time
 import types
 
@@ -14,7 +15,7 @@ import tensorflow_datasets as tfds
 
 import common
 import shardmap_dp
-from tests.harness import DEFAULTS, SMALL, TINY, run, run_script
+from tests.harness import DEFAULTS, ROOT, SMALL, TINY, run, run_script
 
 
 def test_batches_depend_only_on_seed_and_step():
@@ -98,50 +99,21 @@ class Broken:
         return np.full((stop - start, 5), step, np.int32)
 
 
-def prefetch_threads():
-    return {thread for thread in threading.enumerate() if thread.name == "prefetch"}
-
-
-@pytest.mark.parametrize("prefetch", [0, 1, 3])
-def test_prefetched_batches_are_the_loops_own(prefetch):
+def test_the_loop_gets_each_steps_batch_from_the_start():
     data, log = common.SyntheticData(seed=1, seq_len=8), types.SimpleNamespace(data_seconds=[])
-    config, before = common.Config(steps=9, batch_size=4, prefetch=prefetch), prefetch_threads()
-    made = list(common.train_batches(data, config, 2, log))
+    made = list(common.train_batches(data, common.Config(steps=9, batch_size=4), 2, log))
     assert [step for step, _ in made] == list(range(2, 9))
     assert all((rows == data.batch(step, 0, 4)).all() for step, rows in made)
-    assert len(log.data_seconds) == 7 and prefetch_threads() == before
+    assert len(log.data_seconds) == 7
 
 
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_a_batch_that_fails_fails_the_loop_at_its_step(prefetch):
-    config, log = (
-        common.Config(steps=9, batch_size=4, prefetch=prefetch),
-        types.SimpleNamespace(data_seconds=[]),
-    )
-    steps, before = [], prefetch_threads()
+def test_a_batch_that_fails_fails_the_loop_at_its_step():
+    config, log = common.Config(steps=9, batch_size=4), types.SimpleNamespace(data_seconds=[])
+    steps = []
     with pytest.raises(OSError, match="record 3 is unreadable"):
         for step, _ in common.train_batches(Broken(), config, 0, log):
             steps.append(step)
-    assert steps == [0, 1, 2] and prefetch_threads() == before
-
-
-def test_the_prefetch_thread_stops_with_the_loop():
-    """A loop that stops early (Ctrl-C saved a checkpoint; an error) leaves no thread making
-    batches."""
-    config, log = (
-        common.Config(steps=1000, batch_size=4, prefetch=2),
-        types.SimpleNamespace(data_seconds=[]),
-    )
-    batches, before = (
-        common.train_batches(common.SyntheticData(seed=1, seq_len=8), config, 0, log),
-        prefetch_threads(),
-    )
-    for step, _ in batches:
-        if step == 5:
-            break
-    assert len(prefetch_threads() - before) == 1  # blocked, the queue full
-    batches.close()
-    assert prefetch_threads() == before
+    assert steps == [0, 1, 2]
 
 
 def test_loss_floor_is_the_sampled_entropy_rate():
@@ -269,41 +241,53 @@ def test_command_line_reads_a_prepared_tfds_dataset(text_data_dir, tmp_path):
     "flags, message",
     [
         (["--dataset", "no_such_dataset"], "--dataset no_such_dataset is neither"),
-        (
-            ["--dataset", "tiny_text", "--text-key", "body"],
-            "--text-key body is not a text feature of tiny_text",
-        ),
-        # CI reaches no internet, so preparing tiny_shakespeare in an empty folder must fail.
+        (["--dataset", "tiny_text", "--text-key", "body"], "--text-key body is not in tiny_text"),
+        # CI reaches no internet: tiny_shakespeare is not prepared in an empty folder
         (
             ["--dataset", "tiny_shakespeare", "--data-dir", "EMPTY"],
-            "--dataset tiny_shakespeare is not prepared",
-        ),
-        # A manual folder without the file the builder downloads: said before anything is tried.
-        (
-            ["--dataset", "tiny_shakespeare", "--data-dir", "EMPTY", "--tfds-manual-dir", "EMPTY"],
-            "--tfds-manual-dir EMPTY holds no input.txt: tiny_shakespeare is prepared from "
-            "https://",
+            "--dataset tiny_shakespeare is neither 'synthetic', a file nor prepared (python "
+            "tools/check.py --dataset tiny_shakespeare)",
         ),
         # Before: trained on newline padding alone, and exited 0.
-        (
-            ["--dataset", "empty_text"],
-            "--dataset empty_text has no text in 'text' of its 'train' split",
-        ),
+        (["--dataset", "empty_text"], "--dataset empty_text is too short"),
     ],
-    ids=["unknown", "no text key", "cannot prepare", "empty manual folder", "all texts empty"],
+    ids=["unknown", "no text key", "not prepared", "all texts empty"],
 )
 def test_bad_dataset_exits_2_with_one_line(flags, message, text_data_dir, tmp_path):
     (tmp_path / "empty").mkdir()
     flags = [str(tmp_path / "empty") if f == "EMPTY" else f for f in flags]
-    message = message.replace("EMPTY", str(tmp_path / "empty"))
     data_dir = [] if "--data-dir" in flags else ["--data-dir", text_data_dir]
     done = run_script("shardmap_dp", tmp_path, *TINY, *flags, *data_dir)
     assert done.returncode == 2, done.stderr[-2000:]
+    # TFDS may log a warning of its own before (a folder without dataset_info.json)
     error_lines = [
         line for line in done.stderr.splitlines() if line.startswith("shardmap_dp.py: error:")
     ]
     assert len(error_lines) == 1 and message in error_lines[0], done.stderr[-2000:]
     assert "Traceback" not in done.stderr and "compiled" not in done.stdout
+
+
+def check(tmp_path, *flags, env=None):
+    """tools/check.py, run as a user runs it, in tmp_path."""
+    command = [sys.executable, str(ROOT / "tools" / "check.py"), *TINY, *flags]
+    return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        # A manual folder without the file the builder downloads: said before anything is tried
+        (
+            ["--tfds-manual-dir", "."],
+            "--tfds-manual-dir . holds no input.txt: tiny_shakespeare is prepared from https://",
+        ),
+    ],
+    ids=["empty manual folder"],
+)
+def test_the_checker_prepares_tfds_or_says_why_not(flags, message, tmp_path):
+    done = check(tmp_path, "--dataset", "tiny_shakespeare", "--data-dir", "tfds", *flags)
+    errors = [line for line in done.stderr.splitlines() if "check.py: error:" in line]
+    assert done.returncode == 2 and len(errors) == 1 and message in errors[0], done.stderr[-2000:]
 
 
 def test_preparing_without_tensorflow_says_what_to_install(tmp_path):
@@ -314,15 +298,10 @@ def test_preparing_without_tensorflow_says_what_to_install(tmp_path):
         "raise ImportError('No module named tensorflow')\n"
     )
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "no_tensorflow")}
-    done = run_script(
-        "fsdp", tmp_path, *TINY, "--dataset", "tiny_shakespeare", "--data-dir", "tfds", env=env
-    )
+    done = check(tmp_path, "--dataset", "tiny_shakespeare", "--data-dir", "tfds", env=env)
+    errors = [line for line in done.stderr.splitlines() if "check.py: error:" in line]
     assert done.returncode == 2 and done.stdout == "", done.stdout
-    error = done.stderr.strip().splitlines()
-    assert (
-        len(error) == 1
-        and 'preparing it needs TensorFlow: pip install "tensorflow-cpu==' in error[0]
-    ), error
+    assert len(errors) == 1 and 'needs TensorFlow: pip install "tensorflow-cpu==' in errors[0]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -365,7 +344,6 @@ def loader(batch):
 
 
 LOADERS = [  # (a loader's file, what the one-line error says)
-    ("def make(config):\n    pass\n", "defines no function load(config) returning the dataset"),
     ("def load(config):\n    return 3\n", "what load(config) returns has no batch()"),
     (
         loader("np.zeros((stop - start, 4))"),
@@ -382,19 +360,24 @@ LOADERS = [  # (a loader's file, what the one-line error says)
 ]
 
 
-@pytest.mark.parametrize(
-    "source, message", LOADERS, ids=["no load", "no batch", "shape", "vocab", "raises"]
-)
-def test_a_loader_that_breaks_the_contract_is_one_line(
-    source, message, tmp_path, monkeypatch, capsys
-):
-    """Before anything is compiled: exit 2, one line saying what is wrong and where."""
+@pytest.mark.parametrize("source, message", LOADERS, ids=["no batch", "shape", "vocab", "raises"])
+def test_the_checker_finds_a_loader_that_breaks_the_contract(source, message, tmp_path):
+    """tools/check.py: exit 2, one line saying what is wrong and where."""
     (tmp_path / "my_data.py").write_text(source)
+    done = check(tmp_path, "--dataset", "my_data.py")
+    assert done.returncode == 2 and done.stdout == "", done.stdout
+    error = done.stderr.strip().splitlines()
+    assert len(error) == 1 and message.replace("MY_DATA", str(tmp_path / "my_data.py")) in error[0]
+
+
+def test_a_loader_file_without_load_is_one_line(tmp_path, monkeypatch, capsys):
+    """The run itself: exit 2, one line, before anything is compiled."""
+    (tmp_path / "my_data.py").write_text("def make(config):\n    pass\n")
     monkeypatch.chdir(tmp_path)
-    module = shardmap_dp
-    flags = [*TINY, "--dataset", "my_data.py"]
     with pytest.raises(SystemExit) as exit_info:
-        module.main(common.parse_config(module.Config, None, flags))
+        shardmap_dp.main(
+            common.parse_config(shardmap_dp.Config, None, [*TINY, "--dataset", "my_data.py"])
+        )
     out, err = capsys.readouterr()
     assert exit_info.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
-    assert message.replace("MY_DATA", str(tmp_path / "my_data.py")) in err, err
+    assert "--dataset my_data.py has no load(config)" in err, err

@@ -292,3 +292,20 @@ def test_the_readmes_line_counts_are_the_files():
     assert len(found) >= 2, found
     for path, lines in found:
         assert len((ROOT / path).read_text().splitlines()) == int(lines), path
+
+
+def test_common_py_keeps_its_parts_within_their_bounds():
+    """common.py: the lesson, then the cost report (at most 300 lines), then the harness (at most
+    500), 1,900 in all; what a copier of fsdp.py carries is what the README says."""
+    lines = (ROOT / "common.py").read_text().splitlines()
+    cost = (
+        lines.index("# What a run costs, measured from the real arrays and the compiled step") - 1
+    )
+    harness = next(i for i, line in enumerate(lines) if line.startswith("# THE HARNESS")) - 1
+    assert 0 < cost < harness and harness - cost <= 300 and len(lines) - harness <= 500
+    assert len(lines) <= 1900
+    readme = (ROOT / "README.md").read_text()
+    carried = int(
+        re.search(r"A copier of `fsdp.py` carries ([\d,]+) lines", readme)[1].replace(",", "")
+    )
+    assert carried == len(lines) + len((ROOT / "fsdp.py").read_text().splitlines())

@@ -91,7 +91,7 @@ def test_processes_with_different_flags_stop_naming_the_flag(flag, values, tmp_p
     )
     assert codes == [2, 2] and all(len(out) == 1 for out in lines), lines
     # Found from the devices themselves, before the flags are gathered over them
-    said = "gives the processes 4, 2 devices" if flag == "cpu-devices" else "differs between"
+    said = "gives the processes [4, 2] devices" if flag == "cpu-devices" else "differs between"
     assert all(f"error: --{flag} {said}" in out[0] for out in lines), lines
 
 

@@ -1,9 +1,12 @@
-"""Check a model of yours against the scripts' contract before you train it: every piece is
-built and traced on shapes alone (nothing is computed or compiled), and each breach is one line
-naming the piece or parameter and what to do, with exit status 2.
+"""Check a model or dataset of yours against the scripts' contract before you train on it, and
+prepare a TFDS dataset: every piece is built and traced on shapes alone (nothing is computed or
+compiled), a batch of each split is read, and each breach is one line naming the piece,
+parameter or batch and what to do, with exit status 2.
 
   python tools/check.py --model my_model.py             # the flags of any script, e.g.
   python tools/check.py --model my_project.model --layers 2 --seq-len 128
+  python tools/check.py --dataset my_data.py --vocab-size 50304
+  python tools/check.py --dataset tiny_shakespeare --data-dir ~/tfds   # prepares it once
 
 The contract is written in common.py's model section. The scripts load a model without these
 checks: a breach found here would show there as a crash after compiling, or as numbers that
@@ -12,17 +15,66 @@ replaces; context_parallel.py refuses a model whose attention bypasses its hook 
 """
 
 import dataclasses
+import os
 import sys
+import traceback
 from pathlib import Path
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common.py, beside the scripts
 
 import common  # noqa: E402
-from common import ConfigError, _failure, _is_boxed, init_params, make_model  # noqa: E402
+from common import ConfigError, init_params, make_model, require  # noqa: E402
+
+TENSORFLOW = "tensorflow-cpu==2.21.0"  # what preparing a TFDS catalogue dataset imports
+
+
+@dataclasses.dataclass(frozen=True)
+class Config(common.Config):
+    tfds_manual_dir: str | None = common.arg(
+        None, "already downloaded source files, to prepare a TFDS dataset offline"
+    )
+
+
+def _is_boxed(x):
+    return isinstance(x, nn.meta.AxisMetadata)
+
+
+def _failure(error: Exception, origin: str) -> str:
+    """An error in one line: the deepest line of the user's code (or the syntax error's), what
+    it is."""
+    if isinstance(error, SyntaxError):
+        place = f"{error.filename}, line {error.lineno}"
+    else:
+        folder = os.path.dirname(os.path.abspath(origin))
+        frames = traceback.extract_tb(error.__traceback__)
+        theirs = [f for f in frames if os.path.dirname(os.path.abspath(f.filename)) == folder]
+        theirs = theirs or [f for f in frames if not f.filename.startswith("<")]
+        place = f"{theirs[-1].filename}, line {theirs[-1].lineno}" if theirs else origin
+    message = (error.msg if isinstance(error, SyntaxError) else str(error)).splitlines()
+    return f"{place}: {type(error).__name__}: {message[0] if message else ''}"
+
+
+def check_model_file(config: Config):
+    """What a model file declares: pieces that are common.Pieces, a TIED of paths."""
+    pieces, where = common.model_pieces(config), f"--model {config.model}:"
+    for piece in pieces[:3]:
+        require(
+            issubclass(piece, common.Piece),
+            "model",
+            f"{config.model}: {piece.__name__} is not a common.Piece: subclass it, so that it is "
+            f"built as {piece.__name__}(config, hooks) (common.py's model contract)",
+        )
+    tied = pieces.tied
+    if not (isinstance(tied, tuple) and all(isinstance(p, str) and p for p in tied)):
+        raise ConfigError(
+            f"{where} TIED is {tied!r}; it must be a tuple of the paths of the head's parameters "
+            'that are the embedding\'s, e.g. TIED = ("token/embedding",)'
+        )
 
 
 def check_model(config: common.Config):
@@ -232,14 +284,107 @@ def _shape_text(x) -> str:
     return repr(x)
 
 
-def main(argv=None):
-    config = common.parse_config(common.Config, __doc__, argv)
+def check_dataset(config: Config):
+    """The dataset --dataset names, prepared if it is a TFDS one that is not yet, and one batch
+    of each split read: int32 tokens [rows, --seq-len + 1], from 0 to --vocab-size - 1."""
+    name = config.dataset
+    if name != "synthetic" and not common.is_yours(name) and not os.path.exists(name):
+        prepare_tfds(config)
+    origin = name.partition(":")[0]
     try:
+        dataset = common.load_dataset(config)
+    except ConfigError:
+        raise
+    except Exception as error:
+        raise ConfigError(
+            f"--dataset {name}: load(config) failed: {_failure(error, origin)}"
+        ) from None
+    for method in ("batch", "describe"):
+        require(
+            callable(getattr(dataset, method, None)),
+            "dataset",
+            f"{name}: what load(config) returns has no {method}(): a dataset has batch(step, "
+            "start, stop, split) and describe() (README: Your own model and data)",
+        )
+    rows, wanted = min(2, config.batch_size), (min(2, config.batch_size), config.seq_len + 1)
+    for split in common.SPLITS:
+        call = f"batch(0, 0, {rows}, '{split}')"
+        try:
+            tokens = np.asarray(dataset.batch(0, 0, rows, split))
+        except Exception as error:
+            raise ConfigError(
+                f"--dataset {name}: {call} failed: {_failure(error, origin)}"
+            ) from None
+        require(
+            tokens.shape == wanted and tokens.dtype == np.int32,
+            "dataset",
+            f"{name}: {call} returns {tokens.dtype}{list(tokens.shape)}; it must return int32 "
+            f"tokens {list(wanted)} (rows, --seq-len + 1)",
+        )
+        require(
+            tokens.min() >= 0 and tokens.max() < config.vocab_size,
+            "dataset",
+            f"{name}: {call} has tokens from {tokens.min()} to {tokens.max()}, outside 0 .. "
+            f"--vocab-size {config.vocab_size} - 1, e.g. --vocab-size {int(tokens.max()) + 1}",
+        )
+    return dataset
+
+
+def prepare_tfds(config: Config):
+    """Download and convert a TFDS dataset into --data-dir, from --tfds-manual-dir if given."""
+    import tensorflow_datasets as tfds
+
+    name = config.dataset
+    try:
+        builder = tfds.builder(name, data_dir=config.data_dir, file_format="array_record")
+    except tfds.core.registered.DatasetNotFoundError:
+        raise ConfigError(
+            f"--dataset {name} is not a TFDS dataset, e.g. tiny_shakespeare"
+        ) from None
+    if builder.is_prepared():
+        return
+    files = {
+        i.filename or url.rsplit("/", 1)[-1]: url for url, i in (builder.url_infos or {}).items()
+    }
+    if config.tfds_manual_dir:
+        missing = [f for f in files if not os.path.exists(os.path.join(config.tfds_manual_dir, f))]
+        require(
+            not missing or len(missing) < len(files),
+            "tfds_manual_dir",
+            f"{config.tfds_manual_dir} holds no {', '.join(missing)}: {name} is prepared from "
+            f"{', '.join(files[f] for f in missing)}; download it into that folder",
+        )
+    try:  # TFDS's catalogue builders write through TensorFlow; reading later does not need it
+        import tensorflow as tf
+    except ImportError:
+        raise ConfigError(
+            f'--dataset {name}: preparing it needs TensorFlow: pip install "{TENSORFLOW}"'
+        ) from None
+    tf.config.set_visible_devices([], "GPU")  # leave the GPUs to JAX
+    print(f"preparing TFDS {name} in {builder.data_dir}", flush=True)
+    try:
+        manual = tfds.download.DownloadConfig(manual_dir=config.tfds_manual_dir)
+        builder.download_and_prepare(download_config=manual)
+    except Exception as error:  # no network, a bad manual file, ...
+        raise ConfigError(
+            f"--dataset {name} is not prepared and preparing it failed "
+            f"({' '.join(str(error).split())[:300]}); prepare it where the internet is reachable "
+            "or pass the downloaded files with --tfds-manual-dir"
+        ) from None
+
+
+def main(argv=None):
+    config = common.parse_config(Config, __doc__, argv)
+    try:
+        common.start_devices(config)
         config.validate()
+        check_model_file(config)
         check_model(config)
+        dataset = check_dataset(config)
     except ConfigError as error:
         common.exit_bad_input(str(error))
     print(f"--model {config.model} keeps the scripts' contract")
+    print(f"--dataset {config.dataset} keeps it too: {dataset.describe()}")
 
 
 if __name__ == "__main__":

@@ -3,17 +3,15 @@ the training loop waits for it.
 
 First the synthetic source's batches, 8 x 1,024 and 32 x 64 tokens: the compiled walk the
 scripts use against the Python loop it replaced (tests/test_data.py keeps that loop, and checks
-that both make the same tokens). Then a script's run in three ways, each printing its
-ms/step and the median time the loop waited for a batch (the summary's data_wait_seconds):
-the Python loop made in the loop (as before issue 25), the same loop made ahead in a thread
-(--prefetch 2), and the compiled walk made ahead (today's default).
+that both make the same tokens). Then a script's run both ways, each printing its ms/step and
+the median time the loop waited for a batch (the summary's data_wait_seconds). The loop makes
+each batch while the devices run the step before it (JAX dispatches steps asynchronously).
 
   python tools/host_time.py                       # shardmap_dp.py, a small model at 8 x 1,024
   python tools/host_time.py --script fsdp.py -- --batch-size 32 --seq-len 64
 
-On emulated CPU devices a batch made in the loop with the compiled walk (--prefetch 0) waits for
-the step before it: the walk runs on CPU device 0, which runs training steps in order. On a GPU
-or TPU host the walk has the CPU to itself.
+On emulated CPU devices the compiled walk waits for the step before it: it runs on CPU device
+0, which runs training steps in order. On a GPU or TPU host the walk has the CPU to itself.
 """
 
 import argparse
@@ -80,13 +78,11 @@ def run(script: str, flags: list, python_loop: bool):
 
 def runs(script: str, flags: list):
     print(f"{script} {' '.join(flags)}:")
-    ways = (("Python loop, made in the loop", True, 0), ("Python loop, made ahead", True, 2))
-    ways += (("compiled walk, made ahead", False, 2),)
-    for name, python_loop, prefetch in ways:
+    for name, python_loop in (("Python loop", True), ("compiled walk", False)):
         with tempfile.TemporaryDirectory() as folder:
             metrics = os.path.join(folder, "metrics.jsonl")
             command = [sys.executable, __file__, "--run", script] + ["--python-loop"] * python_loop
-            command += ["--", *flags, "--prefetch", str(prefetch), "--metrics-file", metrics]
+            command += ["--", *flags, "--metrics-file", metrics]
             subprocess.run(command, check=True, stdout=subprocess.DEVNULL, cwd=ROOT)
             with open(metrics) as file:
                 summary = [json.loads(line) for line in file][-1]["summary"]

@@ -348,8 +348,8 @@ BUGS = [
     ),
     Bug(
         "common.py",
-        '            dtype=jnp.float32,\n            kernel_init=_init(("embed", None)),',
-        '            dtype=c.dtype,\n            kernel_init=_init(("embed", None)),',
+        'c.experts, use_bias=False, dtype=jnp.float32, kernel_init=init, name="router"',
+        'c.experts, use_bias=False, dtype=c.dtype, kernel_init=init, name="router"',
         "under --dtype bfloat16 the router computes its logits in bfloat16: which experts a "
         "token goes to hangs on rounding",
         (f"{EXPERTS}::test_the_router_computes_in_float32_under_bfloat16",),
@@ -389,8 +389,8 @@ BUGS = [
     # The held-out loss: on the wrong split, or on part of the batches
     Bug(
         "common.py",
-        'return [host_batch(dataset, config, i, "eval") for i in range(config.eval_batches)]',
-        "return [host_batch(dataset, config, i) for i in range(config.eval_batches)]",
+        'return [host_batch(dataset, config, i, "eval") for i in range(count)]',
+        "return [host_batch(dataset, config, i) for i in range(count)]",
         "the runs evaluate on training batches, not held-out ones",
         (f"{EQ}::test_matches_single_device_reference[shardmap_dp]",),
     ),

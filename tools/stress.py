@@ -3,7 +3,7 @@
 XLA's CPU collectives abort a run (SIGABRT, "Termination timeout ... exceeded. Expected 4
 threads to join the rendezvous, but only 3 of them arrived on time") when one emulated
 device's thread reaches a collective too long after the others; the scripts raise that limit
-(common.CPU_COLLECTIVE_TIMEOUTS). This tool recreates the condition: it starts busy loops on
+(common.start_devices). This tool recreates the condition: it starts busy loops on
 every core and, with --starve, pins one emulated device's thread to the last core beside
 busy loops of higher priority, so that thread runs far behind the others. It prints how the
 run ended and how many "stuck" warnings and aborts XLA printed.
