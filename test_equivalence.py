@@ -43,7 +43,6 @@ from tests.harness import (
     DEFAULTS,
     DEVICES,
     EVAL,
-    EVERY_SCRIPT,
     LLAMA_SPECS,
     MODEL_GROUPS,
     PROCESSES,
@@ -330,7 +329,12 @@ def test_matches_single_device_reference(name):
 DENSE = [name for name in STRATEGIES if not name.startswith("expert")]
 
 
-@pytest.mark.parametrize("name", matrix(DENSE, EVERY_SCRIPT))
+# Every pytest: the scripts whose code the mixture reaches (its experts split over 'model' by
+# the logical rules, its statistics summed over a pipeline's stages, its whole sequence gathered
+# from context_parallel.py's pieces); expert_parallel.py trains it in every test. -m full: all.
+@pytest.mark.parametrize(
+    "name", matrix(DENSE, ["logical_fsdp_tp", "pipeline_1f1b", "context_parallel"])
+)
 def test_a_mixture_of_experts_matches(name):
     """Every other strategy trains the mixture of experts too (its expert weights split as any
     parameter of theirs), and routes it as one device does."""
@@ -349,12 +353,10 @@ def test_pjit_tp_s_suggested_entries_train_a_new_model_and_match(monkeypatch):
     compare("pjit_tp", run_uncached("pjit_tp", **llama), reference(**llama), llama)
 
 
-# Every pytest: each script but the two that train tests/tied_llama.py's same blocks in every
-# pytest (test_a_tied_head_matches; pjit_tp.py also with its suggested entries, above).
-@pytest.mark.parametrize(
-    "name",
-    matrix(DENSE, [name for name in EVERY_SCRIPT if name not in ("pipeline_1f1b", "pjit_tp")]),
-)
+# Every pytest: the scripts that reach into a model (FSDP's gathers per piece, context
+# parallelism's hooks); tests/tied_llama.py's same blocks train under pipeline.py there too
+# (test_a_tied_head_matches), and under pjit_tp.py with its suggested entries (above).
+@pytest.mark.parametrize("name", matrix(DENSE, ["fsdp", "context_parallel"]))
 def test_a_model_the_scripts_do_not_know_matches(name, monkeypatch):
     """tests/llama.py (RMSNorm, rotary positions, SwiGLU, no biases, untied head, grouped-query
     attention) through every script and preset, against one device training it."""
@@ -366,14 +368,12 @@ def test_a_model_the_scripts_do_not_know_matches(name, monkeypatch):
 TIED = {"gpt": {"tie_embeddings": True}, "llama": {"model": "tests.tied_llama"}}
 
 
-# Every pytest puts tying through each script whose code it reaches: the tied GPT, and the tied
-# Llama where tying changes what moves (the pipeline's first and last stages, the vocabulary
-# split). (pmap_dp.py and context_parallel.py run the model whole, as shardmap_dp.py does.)
-# -m full: both models under every strategy.
+# Every pytest puts tying through the code it reaches: the tied GPT gathered once per use
+# (fsdp.py), the tied Llama on the pipeline's first and last stages (the
+# split along the vocabulary: test_vocabulary_is_split_over_model). -m full: both models under
+# every strategy.
 TIED_CASES = [(name, "gpt") for name in STRATEGIES] + [(name, "llama") for name in DENSE]
-TIED_DEFAULT = [("shardmap_dp", "gpt"), ("fsdp", "gpt"), ("expert_parallel", "gpt")]
-TIED_DEFAULT += [(name, "gpt") for name in ("logical_fsdp_tp", "explicit_fsdp_tp")]
-TIED_DEFAULT += [("pipeline_1f1b", "llama"), ("pjit_tp", "llama")]
+TIED_DEFAULT = [("fsdp", "gpt"), ("pipeline_1f1b", "llama")]
 
 
 @pytest.mark.parametrize("name, model", matrix(TIED_CASES, TIED_DEFAULT))
@@ -387,7 +387,7 @@ def test_a_tied_head_matches(name, model, monkeypatch):
     compare(name, run(name, **flags), reference(**flags, **model_flags(name)), flags)
 
 
-@pytest.mark.parametrize("name", matrix(DENSE, ["fsdp", "pipeline_1f1b", "explicit_fsdp_tp"]))
+@pytest.mark.parametrize("name", matrix(DENSE, ["fsdp", "pipeline_1f1b"]))
 def test_an_nnx_model_matches(name, monkeypatch):
     """tests/nnx_llama.py, the Llama written in Flax NNX (its pieces adapted by
     common.from_nnx, their axis names read from nnx.with_partitioning), through every script
@@ -413,7 +413,9 @@ def test_dropless_trains_as_a_capacity_with_room_for_every_token():
     compare_routing("dropless", dropless.router, capacity.router)
 
 
-@pytest.mark.parametrize("name", ["expert_parallel", "context_parallel"])
+@pytest.mark.parametrize(
+    "name", matrix(["expert_parallel", "context_parallel"], ["expert_parallel"])
+)
 def test_the_same_tokens_are_dropped(name):
     """With capacity for half the tokens, about half the choices are dropped: the same ones as on
     one device, where each device holds some of a sequence's tokens (context_parallel.py) or
@@ -426,8 +428,8 @@ def test_the_same_tokens_are_dropped(name):
 
 # Micro-batches are common.accumulate_gradients in every script but pipeline.py (its schedule):
 # one script per way of splitting the rows (by hand in shard_map, by the compiler's shardings),
-# and those that split a sequence or send tokens to experts.
-MICRO = ["shardmap_dp", "pjit_tp", "pipeline_1f1b", "context_parallel", "expert_parallel"]
+# (context_parallel.py's pieces of a sequence, expert_parallel.py's experts with -m full).
+MICRO = ["shardmap_dp", "pjit_tp", "pipeline_1f1b"]
 
 
 @pytest.mark.parametrize("name", matrix(list(DEFAULTS.values()), MICRO))
@@ -436,11 +438,11 @@ def test_microbatches_match(name):
     compare(name, run(name, **flags), reference(batch_size=32, **model_flags(name)), flags)
 
 
-# The scripts that handle scanning
+# The scripts that handle scanning (every pytest: fsdp.py, which keeps the stacked axis whole)
 SCANNING = ["fsdp", "pjit_tp", "logical_fsdp_tp"]
 
 
-@pytest.mark.parametrize("name", matrix([*SCANNING, "explicit_fsdp_tp"], SCANNING))
+@pytest.mark.parametrize("name", matrix([*SCANNING, "explicit_fsdp_tp"], SCANNING[:1]))
 def test_scanned_layers_match(name):
     result = run(name, scan_layers=True)
     scanned = reference(scan_layers=True)
@@ -450,29 +452,19 @@ def test_scanned_layers_match(name):
     compare(name, result, scanned, {"scan_layers": True})
 
 
-def test_remat_matches():
-    for name in ("shardmap_dp", "fsdp", "logical_fsdp_tp"):
-        compare(name, run(name, remat=True), reference(), {"remat": True})
+@pytest.mark.parametrize("name", matrix(["fsdp", "shardmap_dp", "logical_fsdp_tp"], ["fsdp"]))
+def test_remat_matches(name):
+    compare(name, run(name, remat=True), reference(), {"remat": True})
 
 
-# The logical presets take the norm as pjit_tp.py does (the compiler, from the shardings): one
-# of them stands for all, as one explicit preset does (the others with -m full); so does one of
-# expert_parallel.py's meshes.
-CLIPPED = [
-    name
-    for name in STRATEGIES
-    if name not in ("logical_dp", "logical_fsdp", "logical_hsdp", "logical_tp")
-    and name not in ("explicit_dp", "explicit_fsdp", "explicit_hsdp", "explicit_tp")
-]
+# Every pytest: the scripts that add up the norm of a split gradient by hand (fsdp.py and
+# HSDP, pipeline.py's stages, expert_parallel.py's experts), and one of
+# each other way: whole on every device (shardmap_dp.py), from the compiler's shardings
+# (pjit_tp.py; logical_pjit.py and explicit_sharding.py alike). -m full: every strategy.
+CLIPPED = ["shardmap_dp", "fsdp", "hsdp", "pjit_tp", "pipeline_1f1b", "expert_parallel"]
 
 
-@pytest.mark.parametrize(
-    "name",
-    matrix(
-        [name for name in STRATEGIES if name.startswith("explicit_") or name in CLIPPED],
-        [name for name in CLIPPED if name != "expert_parallel_8"],
-    ),
-)
+@pytest.mark.parametrize("name", matrix(list(STRATEGIES), CLIPPED))
 def test_clipping_matches(name):
     """Clipping by the global norm, with a threshold so low that it binds on every step: the
     norm is over the whole model, whatever piece of the gradient each device holds."""
@@ -485,7 +477,7 @@ def test_clipping_matches(name):
     "name, tied",
     matrix(
         [("pjit_tp", False), ("logical_tp", False), ("pjit_tp", True), ("logical_tp", True)],
-        [("pjit_tp", False), ("logical_tp", False), ("pjit_tp", True)],
+        [("pjit_tp", True)],
     ),
 )
 def test_vocabulary_is_split_over_model(name, tied):
@@ -512,7 +504,7 @@ def test_vocabulary_is_split_over_model(name, tied):
 
 
 # The schedules on deeper pipelines (all run on data=4,stage=2 above): --mesh, --layers. Every
-# pytest runs GPipe and interleaved on 4 stages, -m full the rest (8 stages too). Interleaved: two
+# pytest runs them with -m full (8 stages too). Interleaved: two
 # groups of layers per stage, so twice the layers.
 PIPELINES = [
     ("gpipe", "data=2,stage=4", 4),
@@ -525,7 +517,7 @@ PIPELINES += [("interleaved", "data=1,stage=8", 16)]
 
 @pytest.mark.parametrize(
     "schedule, mesh, layers",
-    matrix(PIPELINES, [PIPELINES[0], PIPELINES[2]]),
+    matrix(PIPELINES, []),
     ids=[f"{s}-{m}" for s, m, _ in PIPELINES],
 )
 def test_pipeline_matches(schedule, mesh, layers):
@@ -538,6 +530,7 @@ def test_pipeline_matches(schedule, mesh, layers):
     )
 
 
+@pytest.mark.full
 def test_context_parallel_matches_on_eight():
     flags = {"mesh": "data=1,context=8"}
     compare("context_parallel", run("context_parallel", **flags), reference(), flags)
@@ -552,8 +545,15 @@ LONG = ["context_all_gather", "context_ulysses", "pjit_tp_sp", "logical_tp_sp", 
 LONG_FLAGS = {"microbatches": 2, "clip_norm": 0.05, "steps": 10}
 
 
-@pytest.mark.parametrize("model", OTHER_MODELS)
-@pytest.mark.parametrize("name", matrix(LONG, LONG[:3] + ["explicit_tp_sp"]))
+# Every pytest: the mixture through Ulysses' all-to-alls, tests/llama.py through the table's
+# sequence parallelism. -m full: both models through every split.
+@pytest.mark.parametrize(
+    "name, model",
+    matrix(
+        [(name, model) for name in LONG for model in OTHER_MODELS],
+        [("context_ulysses", "moe"), ("pjit_tp_sp", "llama")],
+    ),
+)
 def test_the_sequence_splits_train_every_model(name, model, monkeypatch):
     monkeypatch.setattr(pjit_tp, "PARAM_SPECS", LLAMA_SPECS + pjit_tp.PARAM_SPECS)
     flags = {**OTHER_MODELS[model], **LONG_FLAGS}
@@ -562,7 +562,7 @@ def test_the_sequence_splits_train_every_model(name, model, monkeypatch):
     compare(name, run_uncached(name, **flags), ref, flags)
 
 
-@pytest.mark.parametrize("model", OTHER_MODELS)
+@pytest.mark.parametrize("model", matrix(list(OTHER_MODELS), ["llama"]))
 def test_zero_bubble_trains_every_model(model, monkeypatch):
     """Zero-bubble's B keeps every dense layer's input and output gradient and its W makes the
     kernels' gradients from them (keep_dense): the MoE (whose experts' weights get theirs in B)
@@ -572,7 +572,7 @@ def test_zero_bubble_trains_every_model(model, monkeypatch):
     compare("pipeline_zero-bubble", run_uncached("pipeline_zero-bubble", **flags), ref, flags)
 
 
-@pytest.mark.parametrize("name", matrix(LONG, LONG[:3]))
+@pytest.mark.parametrize("name", matrix(LONG, ["context_ulysses"]))
 def test_the_sequence_splits_match_in_bfloat16(name):
     bfloat16_matches(name, run(name, **BF16), {})
 
@@ -602,16 +602,24 @@ def test_the_sequence_splits_match_in_bfloat16(name):
 # through every strategy: loss 2.8e-4 (pjit_tp), gradient norm 9.3e-3 (logical_hsdp), update
 # 0.23 (explicit_fsdp_tp), so the bounds are about twice those, still far below a run that never
 # updated a parameter (1.0) or a gradient off by a constant factor.
-# And it is bfloat16: the gradient norm is at least 3.5e-4 from float32's (pipeline interleaved;
-# the MoE 4.6e-3), where two float32 runs agree to 1e-6: BF16_FROM_FLOAT32 is between.
+# And it is bfloat16: over these 5 steps the gradient norm is 1.2e-4 (logical_hsdp) to 5.9e-3
+# (the MoE) from float32's, measured on all 82 bfloat16 runs of `pytest -m ""` (AMD EPYC, JAX
+# 0.10.2), where two float32 runs agree to 1e-6: BF16_FROM_FLOAT32 is between. (That a part of
+# the model computes in float32 is not visible there, a norm averages rounding over the model:
+# tests/test_lesson.py checks every matmul's operands.)
 BF16 = {"dtype": "bfloat16", "steps": 5}
 BF16_RTOL = (5e-5, 6e-3, 6e-2)  # loss, gradient norm, parameters (against their update)
 BF16_MOE_RTOL = (6e-4, 2e-2, 0.5)
 BF16_LARGEST, BF16_MOE_LARGEST = 0.15, 0.9  # any element, of its parameter's largest value
-BF16_FROM_FLOAT32 = 1e-4
+BF16_FROM_FLOAT32 = 1e-5
 
 
-@pytest.mark.parametrize("name", matrix(list(STRATEGIES), EVERY_SCRIPT))
+# Every pytest: one script of each way to split a step (by hand, by the compiler, in stages, along
+# the sequence), the mixture of experts in bfloat16 through expert_parallel.py with -m full.
+@pytest.mark.parametrize(
+    "name",
+    matrix(list(STRATEGIES), ["shardmap_dp", "pjit_tp", "pipeline_1f1b", "context_parallel"]),
+)
 def test_bfloat16_matches(name):
     """Every strategy in bfloat16 against one device in bfloat16. A mixture of experts' routing
     is not compared token for token: in bfloat16 two experts' router scores can tie to within
@@ -1363,7 +1371,9 @@ def test_hsdp_shards_within_groups_and_replicates_across():
     assert pairs in ops["all-reduce"]
 
 
-@pytest.mark.parametrize("schedule, layers", [("1f1b", 4), ("interleaved", 8)])
+@pytest.mark.parametrize(
+    "schedule, layers", matrix([("1f1b", 4), ("interleaved", 8)], [("1f1b", 4)])
+)
 def test_pipeline_splits_the_blocks_over_stages(schedule, layers):
     """Each device holds one stage's blocks and their moments (interleaved: layers s and s + 4 on
     stage s of 4), and a quarter of the embedding's and the head's; activations and gradients
@@ -1405,7 +1415,10 @@ def test_pipeline_splits_the_blocks_over_stages(schedule, layers):
     assert DATA_GROUPS in collectives(result.compiled)["all-reduce"]
 
 
-@pytest.mark.parametrize("mesh, context", [("data=2,context=4", 4), ("data=1,context=8", 8)])
+@pytest.mark.parametrize(
+    "mesh, context",
+    matrix([("data=2,context=4", 4), ("data=1,context=8", 8)], [("data=2,context=4", 4)]),
+)
 def test_ring_attention_passes_keys_and_values_around_the_ring(mesh, context):
     """Per layer, N - 1 hops of a key block and a value block forward, and of their gradients
     backward, each one device's piece of the sequence; nothing gathers a whole sequence's keys
@@ -1481,7 +1494,7 @@ SPLITS = {
 }
 
 
-@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("split", matrix(list(SPLITS), ["ring"]))
 def test_attention_split_in_bfloat16_is_as_accurate_as_jax(split):
     """Each split of attention in bfloat16 (context=8, 1,024 positions, 16 heads) errs no more
     than 1.2 x as much as jax.nn.dot_product_attention in bfloat16, in its output and in the
@@ -1607,7 +1620,13 @@ SEVERAL = list(DEFAULTS.values()) + [
 ]
 
 
-@pytest.mark.parametrize("name", matrix(SEVERAL, list(DEFAULTS.values()) + LONG[:3]))
+# Every pytest: one script of each way to place a batch (pmap's stack, shard_map's, the
+# compiler's shardings, a sequence's pieces; pipeline.py's as shard_map's); fsdp.py's resume on
+# two processes in tests/test_checkpoints.py.
+TWO_PROCESSES = ["pmap_dp", "shardmap_dp", "pjit_tp", "context_parallel"]
+
+
+@pytest.mark.parametrize("name", matrix(SEVERAL, TWO_PROCESSES))
 def test_two_processes_match_one(name, tmp_path):
     """Each script from the command line, copied alone into a folder, as 2 processes x 4
     devices: the same losses as 1 process x 8. The run stops after the warmup steps, whose

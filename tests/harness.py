@@ -140,8 +140,7 @@ def matrix(values, default):
 
 
 FULL = pytest.mark.full
-# What every `pytest` puts each feature through: each script once, with its default flags.
-# (The other strategies, presets and pairings run with `pytest -m full`.)
+# Each script once, with its default flags
 EVERY_SCRIPT = list(DEFAULTS.values())
 
 

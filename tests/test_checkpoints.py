@@ -54,7 +54,7 @@ def interrupted(name, checkpoint_dir, **flags):
     return result
 
 
-@pytest.mark.parametrize("name", ["pmap_dp", "fsdp"])
+@pytest.mark.parametrize("name", matrix(["pmap_dp", "fsdp"], ["pmap_dp"]))
 def test_resume_is_exact_in_the_same_script(name, tmp_path):
     first = interrupted(name, tmp_path, dropout=0.1)  # dropout: the rng must resume too
     resumed = run_uncached(name, checkpoint_dir=str(tmp_path), checkpoint_every=10, dropout=0.1)
@@ -100,7 +100,7 @@ def balance_biases(result):
     }
 
 
-@pytest.mark.parametrize("writer, reader", matrix(PAIRS, PAIRS[:4] + PAIRS[-2:]))
+@pytest.mark.parametrize("writer, reader", matrix(PAIRS, PAIRS[:3]))
 def test_another_script_resumes(writer, reader, tmp_path):
     flags = model_flags(writer)
     resumed = check_resumes(writer, reader, flags, tmp_path, run(reader, **flags))
@@ -377,7 +377,7 @@ HOW = [
 ]
 
 
-@pytest.mark.parametrize("how", matrix(HOW, ["data file truncated", "empty step folder"]))
+@pytest.mark.parametrize("how", matrix(HOW, ["data file truncated"]))
 def test_an_unreadable_checkpoint_is_set_aside(how, tmp_path, capsys):
     """The newest checkpoint is unreadable: the run says which and why in one line, moves it
     aside (nothing is deleted) and resumes from the one before, as if it had stopped there."""
@@ -418,17 +418,20 @@ def test_a_folder_of_other_folders_is_not_a_checkpoint_folder(tmp_path):
     )
 
 
+ANOTHER_MODEL = [
+    (["--heads", "2"], "--heads 2 differs from 4 in the checkpoint of step 3"),
+    (["--d-model", "64"], "--d-model 64 differs from 32 in the checkpoint of step 3"),
+    (["--scan-layers"], "--scan-layers True differs from False in the checkpoint of step 3"),
+    (["--tie-embeddings"], "--tie-embeddings True differs from False in the checkpoint of step 3"),
+]
+
+
+# Every pytest: the same shapes read another way (--heads), and another set of parameters
 @pytest.mark.parametrize(
     "flags, message",
-    [
-        (["--heads", "2"], "--heads 2 differs from 4 in the checkpoint of step 3"),
-        (["--d-model", "64"], "--d-model 64 differs from 32 in the checkpoint of step 3"),
-        (["--scan-layers"], "--scan-layers True differs from False in the checkpoint of step 3"),
-        (
-            ["--tie-embeddings"],
-            "--tie-embeddings True differs from False in the checkpoint of step 3",
-        ),
-    ],
+    matrix(
+        [tuple(case) for case in ANOTHER_MODEL], [tuple(ANOTHER_MODEL[0]), tuple(ANOTHER_MODEL[3])]
+    ),
     ids=["heads", "d-model", "scan-layers", "tie-embeddings"],
 )
 def test_resuming_with_another_model_exits_2(flags, message, tmp_path):
@@ -520,7 +523,7 @@ def test_resume_on_fewer_devices(script, tmp_path):
 
 
 # Fsdp: test_two_processes_resume
-@pytest.mark.parametrize("script", matrix(["pjit_tp", "fsdp"], ["pjit_tp"]))
+@pytest.mark.parametrize("script", matrix(["pjit_tp", "fsdp"], []))
 def test_resume_from_two_processes_on_one(script, tmp_path):
     """2 processes x 4 devices write a checkpoint; 1 process x 8 devices resumes it."""
     first = two_processes(script, tmp_path, "first.jsonl")

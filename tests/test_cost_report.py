@@ -238,6 +238,7 @@ def test_remat_lowers_the_compiled_temporaries(name):
     assert remat < 0.9 * kept
 
 
+@pytest.mark.full
 def test_scanned_compile_time_does_not_grow_with_layers(tmp_path):
     """logical_pjit.py --scan-layers compiles one block whatever --layers says. Measured in
     fresh processes without the test session's compilation cache."""
@@ -377,7 +378,7 @@ def slots(schedule, microbatches, virtual=1):
 
 
 # 4 and 16 micro-batches in every pytest, the table's 8 too with -m full.
-@pytest.mark.parametrize("counts", matrix([[4, 16], [4, 8, 16]], [[4, 16]]), ids=["4-16", "4-8-16"])
+@pytest.mark.parametrize("counts", matrix([[4, 16], [4, 8, 16]], []), ids=["4-16", "4-8-16"])
 def test_1f1b_keeps_fewer_activations_than_gpipe(counts):
     """4 stages of one layer with 4, 8 and 16 micro-batches: GPipe keeps every micro-batch's
     input until the backwards begin, so its temporaries grow with the micro-batches; 1F1B keeps

@@ -15,7 +15,7 @@ import tensorflow_datasets as tfds
 
 import common
 import shardmap_dp
-from tests.harness import DEFAULTS, ROOT, SMALL, TINY, run, run_script
+from tests.harness import DEFAULTS, ROOT, SMALL, TINY, matrix, run, run_script
 
 
 def test_batches_depend_only_on_seed_and_step():
@@ -193,7 +193,11 @@ def test_text_batches_are_windows_of_the_text(text_data_dir):
     assert (np.concatenate(slices) == batch).all()
 
 
-@pytest.mark.parametrize("name", DEFAULTS.values())
+# Every pytest: a script whose devices take whole rows, and one whose devices take pieces of
+# each sequence; -m full: every script.
+@pytest.mark.parametrize(
+    "name", matrix(list(DEFAULTS.values()), ["shardmap_dp", "context_parallel"])
+)
 def test_scripts_learn_a_tfds_dataset_with_dropout(name, text_data_dir, tmp_path):
     """Every script, through the real TFDS loading path, with dropout on: the loss falls well
     below its start, and the held-out loss is logged and falls too."""

@@ -111,6 +111,21 @@ def test_a_benchmark_run_changes_no_tracked_file(tmp_path):
     assert [path.read_bytes() for path in tracked] == before
 
 
+def test_the_readmes_test_counts_are_the_suites():
+    """README.md's counts of tests: `pytest`'s, and how many more `pytest -m full` adds."""
+    counts = []
+    for marks in ("not full", "full"):
+        done = subprocess.run(
+            [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0", "-m", marks],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        )
+        counts.append(int(re.search(r"^(\d+)/\d+ tests collected", done.stdout, re.M).group(1)))
+    readme = (ROOT / "README.md").read_text()
+    assert f"`pytest` ({counts[0]} tests)" in readme and f"({counts[1]} more tests;" in readme
+
+
 def test_readme_is_what_a_newcomer_needs():
     """What a newcomer needs first (what and why, the two commands, the scripts, the transitions,
     your own model), in about 300 lines and 4,000 words at most, the rest in docs/; every docs

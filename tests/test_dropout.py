@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from tests.harness import EVERY_SCRIPT, RTOL, SMALL, STRATEGIES, model_flags, run_uncached
+from tests.harness import DEFAULTS, RTOL, SMALL, STRATEGIES, matrix, model_flags, run_uncached
 from test_equivalence import reference
 
 RATE = 0.1
@@ -50,7 +50,14 @@ def digest(mask) -> str:
     return hashlib.sha256(np.packbits(mask).tobytes() + str(mask.shape).encode()).hexdigest()
 
 
-@pytest.mark.parametrize("name", EVERY_SCRIPT)
+# Every pytest: each way of drawing a device's masks once (tests/test_command_line.py's BITWISE):
+# a device's index folded in by hand (shardmap_dp.py; fsdp.py and expert_parallel.py the same,
+# and context_parallel.py for its pieces of a sequence), the compiler splitting one draw
+# (pjit_tp.py; logical_pjit.py and explicit_sharding.py the same), pmap_dp.py's and pipeline.py's.
+DRAWS = ["shardmap_dp", "context_parallel", "pjit_tp", "pmap_dp", "pipeline_1f1b"]
+
+
+@pytest.mark.parametrize("name", matrix(list(DEFAULTS.values()), DRAWS))
 def test_dropout_is_on_and_every_device_draws_its_own_masks(name, monkeypatch):
     """With --dropout 0.1, each dropout layer drops about a tenth of its activations, the loss is
     not dropout 0's, and no mask is drawn on two devices: where the script writes each device's

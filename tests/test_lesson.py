@@ -1,5 +1,6 @@
 """The lesson's pieces against definitions written here, not read from common.py: what AdamW
-decays, the learning rate's schedule, clipping, what --remat saves, the held-out split.
+decays, the learning rate's schedule, clipping, what --remat saves, the held-out split, what
+--dtype bfloat16 computes in.
 
 The equivalence tests run the same common.py on one device and on eight, so a wrong piece of the
 lesson is wrong on both sides and passes them. (The mixture of experts' routing against its own
@@ -8,6 +9,7 @@ reference: tests/test_experts.py.)"""
 import functools
 import math
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -163,3 +165,32 @@ def test_the_held_out_batches_are_the_held_out_splits_and_never_trained_on(tmp_p
         trained = rows(data.batch(step, 0, config.batch_size) for step in range(config.steps))
         assert not rows(held_out) & trained, dataset
     assert set(np.unique(np.concatenate(held_out))) <= set(range(48, 58))
+
+
+def equations(jaxpr):
+    """Every equation of a jaxpr, those of the jaxprs inside it (jit, remat, custom rules) too."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else [param]:
+                sub = getattr(sub, "jaxpr", sub)  # a closed jaxpr's own
+                if hasattr(sub, "eqns"):
+                    yield from equations(sub)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_bfloat16_runs_every_matmul_in_bfloat16(tie):
+    """--dtype bfloat16: every matmul of the model's forward pass (the dense layers, attention's
+    scores and sums, the head) takes bfloat16 operands, while the parameters stay float32. (A
+    mixture's router is float32 on purpose: tests/test_experts.py.)"""
+    config = common.Config(**{**SMALL, "dtype": "bfloat16", "tie_embeddings": tie})
+    model = common.make_model(config)
+    params = common.init_params(model, jax.random.key(0))
+    tokens = jnp.zeros((2, config.seq_len), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens))(params)
+    dots = [e for e in equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    types = [tuple(str(v.aval.dtype) for v in e.invars) for e in dots]
+    # Per block: qkv, the scores, the weighted sum, out, fc1, fc2; and the head
+    assert len(dots) == 6 * config.layers + 1, types
+    assert all(t == ("bfloat16", "bfloat16") for t in types), types
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nn.unbox(params)))
