@@ -70,6 +70,8 @@ class TrainingConfig:
     layers: int = arg(4, "transformer blocks", min=1)
     d_model: int = arg(128, "model width", min=1)
     heads: int = arg(4, "attention heads (must divide --d-model)", min=1)
+    kv_heads: int = arg(0, "key-value heads, each shared by a group of heads; 0: --heads", min=0)
+    mlp_dim: int = arg(0, "the MLP's hidden units (an expert's too); 0: 4 x --d-model", min=0)
     dropout: float = arg(0.1, "dropout rate; 0 makes every strategy compute alike", min=0)
     lr: float = arg(3e-3, "peak learning rate: linear warmup, then cosine decay to a tenth")
     warmup_steps: int = arg(30, "learning-rate warmup steps", min=0)
@@ -98,8 +100,8 @@ class TrainingConfig:
 # What a checkpoint records of the flags: those that change what the weights mean cannot change
 # on resume; those that change the rest of the trajectory can, and the run says so. The others
 # (the strategy, its mesh, the devices and processes, logging) may change freely.
-SHAPE_FLAGS = "layers d_model heads seq_len vocab_size scan_layers experts shared_experts"
-SHAPE_FLAGS = (*SHAPE_FLAGS.split(), "tie_embeddings")
+SHAPE_FLAGS = "layers d_model heads kv_heads mlp_dim seq_len vocab_size scan_layers experts"
+SHAPE_FLAGS = (*SHAPE_FLAGS.split(), "shared_experts", "tie_embeddings")
 TRAJECTORY_FLAGS = tuple(
     "steps batch_size lr warmup_steps weight_decay clip_norm seed dropout dtype microbatches "
     "dataset text_key top_k capacity_factor router_aux_weight router_bias_rate".split()
@@ -251,14 +253,17 @@ class Attention(nn.Module):
     @nn.compact
     def __call__(self, x, deterministic):
         c = self.config
-        # One matmul makes every head's query, key and value, head by head ([heads, 3, head_dim]):
-        # split into equal parts (tensor parallelism) each device gets whole heads, and the
-        # backward pass sums their input gradients before any all-reduce. No bias: a key bias
-        # adds the same q.b to a query's scores, which softmax ignores (its gradient is zero).
-        qkv = _dense(c, 3 * c.d_model, ("embed", "heads"), "qkv", use_bias=False)(x)
-        q, k, v = jnp.split(qkv.reshape(*x.shape[:-1], c.heads, 3, -1), 3, axis=-2)
+        kv, head_dim = c.kv_heads or c.heads, c.d_model // c.heads
+        # One matmul makes every query, key and value, group by group: a key-value head and the
+        # query heads that share it ([kv heads, heads / kv heads + 2, head_dim]). Split into equal
+        # parts (tensor parallelism), each device gets whole groups. No bias: a key bias adds the
+        # same q.b to a query's scores, which softmax ignores (its gradient is zero).
+        qkv = _dense(c, (c.heads + 2 * kv) * head_dim, ("embed", "heads"), "qkv", use_bias=False)
+        qkv = qkv(x).reshape(*x.shape[:-1], kv, -1, head_dim)
+        q, k, v = jnp.split(qkv, [c.heads // kv, c.heads // kv + 1], axis=-2)
+        q, k, v = q.reshape(*x.shape[:-1], c.heads, head_dim), k.squeeze(-2), v.squeeze(-2)
         heads = ("batch", "length", "act_heads", None)
-        q, k, v = (nn.with_logical_constraint(t.squeeze(-2), heads) for t in (q, k, v))
+        q, k, v = (nn.with_logical_constraint(t, heads) for t in (q, k, v))
         x = nn.with_logical_constraint(self.attend(q, k, v), heads)
         out = _dense(c, c.d_model, ("heads", "embed"), "out", _residual_scale(c))
         x = out(x.reshape(*x.shape[:-2], -1))
@@ -267,12 +272,12 @@ class Attention(nn.Module):
 
 class Mlp(nn.Module):
     config: TrainingConfig
-    width: int = 1  # hidden units: width x 4 x d_model (MoeMlp's shared experts: one per expert)
+    width: int = 1  # hidden units: width x --mlp-dim (MoeMlp's shared experts: one per expert)
 
     @nn.compact
     def __call__(self, x, deterministic):
-        c = self.config
-        h = nn.gelu(_dense(c, self.width * 4 * c.d_model, ("embed", "mlp"), "fc1")(x))
+        c, units = self.config, self.width * (self.config.mlp_dim or 4 * self.config.d_model)
+        h = nn.gelu(_dense(c, units, ("embed", "mlp"), "fc1")(x))
         h = nn.with_logical_constraint(h, ("batch", "length", "act_mlp"))
         x = _dense(c, c.d_model, ("mlp", "embed"), "fc2", _residual_scale(c))(h)
         return nn.Dropout(c.dropout)(x, deterministic=deterministic)
@@ -418,14 +423,7 @@ def from_nnx(module_class: type) -> type:
                 for name, value in _linen_params(nnx.state(module, nnx.Param)).items():
                     self.put_variable("params", name, value)
             else:  # the module's shapes alone (nothing computed), then the parameters it is given
-                made = []
-
-                def shapes():
-                    made[:] = nnx.split(build(self, nnx.Rngs(params=0, dropout=0)))
-                    return made[1]
-
-                state = jax.eval_shape(shapes)
-                module = nnx.merge(made[0], state)
+                module = nnx.eval_shape(lambda: build(self, nnx.Rngs(params=0, dropout=0)))
                 params = nn.unbox(flax.core.unfreeze(self.variables.get("params", {})))
                 nnx.update(module, nnx.State(params))
             dropout = self.make_rng("dropout") if self.has_rng("dropout") else jax.random.key(0)
@@ -724,7 +722,7 @@ class MoeMlp(nn.Module):
         if c.top_k > 1:  # renormalised over the k (Mixtral); one expert's, as Switch, is not:
             gate = gate / gate.sum(-1, keepdims=True)  # 1 always, the router would not learn
         chosen = jax.nn.one_hot(expert, c.experts)  # [rows, length, k, experts]
-        fc1 = ExpertDense(c, 4 * c.d_model, ("embed", "mlp"), name="fc1")
+        fc1 = ExpertDense(c, c.mlp_dim or 4 * c.d_model, ("embed", "mlp"), name="fc1")
         fc2 = ExpertDense(c, c.d_model, ("mlp", "embed"), _residual_scale(c), name="fc2")
         if c.capacity_factor:
             out, per_expert = self.with_capacity(x, chosen, gate, fc1, fc2)
@@ -976,9 +974,8 @@ def import_yours(name: str, flag_name: str):
 
 def attention_kernel(config: TrainingConfig) -> str:
     """--attention as dot_product_attention's implementation: 'auto' is cudnn where it runs."""
-    if config.attention != "auto":
-        return config.attention
-    return "xla" if why_not_cudnn(config) else "cudnn"
+    auto = "xla" if why_not_cudnn(config) else "cudnn"
+    return auto if config.attention == "auto" else config.attention
 
 
 def why_not_cudnn(config: TrainingConfig) -> str | None:
@@ -1096,6 +1093,8 @@ def check_training(c: TrainingConfig):
         require(False, "attention", f"cudnn {problem}")
     heads = f"must divide --d-model {c.d_model}, e.g. --heads {math.gcd(c.d_model, 4)}"
     require(c.d_model % c.heads == 0, "heads", heads)
+    groups = f"must divide --heads {c.heads}, e.g. --kv-heads {math.gcd(c.heads, 2)}"
+    require(c.heads % (c.kv_heads or c.heads) == 0, "kv_heads", groups)
     tied = "is the GPT's: --model says what it ties in TIED, e.g. --model gpt"
     require(not c.tie_embeddings or c.model == "gpt", "tie_embeddings", tied)
 
@@ -1802,7 +1801,9 @@ class Logger:
             loss = host_value(metrics["loss_sum"]) / host_value(metrics["tokens"])
             if not math.isfinite(loss):
                 last = f"; the last finite loss was {self.losses[-1]:.4f}" if self.losses else ""
-                raise SystemExit(f"stopped: the loss is {loss} at step {step + 1}{last}; not saved")
+                why = "" if last else "a token id past --vocab-size (tools/check.py --dataset) or "
+                stop = f"stopped: the loss is {loss} at step {step + 1}{last}; not saved"
+                raise SystemExit(f"{stop} ({why}too high an --lr?)")
             self.losses.append(loss)
             self.grad_norms.append(host_value(metrics["grad_norm"]))
             if "expert_tokens" in metrics:

@@ -161,6 +161,12 @@ def attention_work(devices, balanced=True):
     ]
 
 
+def for_each_head(x, q):
+    """Keys or values [batch, length, key-value heads, head_dim] repeated for each query head
+    that shares them (grouped-query attention), on this device: what travels stays one per group."""
+    return jnp.repeat(x, q.shape[2] // x.shape[2], axis=2)
+
+
 def ring_attention(q, k, v):
     """Causal attention of this device's queries to the whole sequence, the keys and values
     travelling around the 'context' ring. q, k, v: [batch, local length, heads, head_dim], the
@@ -195,7 +201,8 @@ def ring_attention(q, k, v):
 
                 def update(running, rows=rows, cols=cols, q_piece=q_piece, k_piece=k_piece):
                     running_max, running_sum, out = running
-                    scores = jnp.einsum("bqhd,bkhd->bhqk", q[:, rows], k[:, cols]) * scale
+                    k_, v_ = (for_each_head(x[:, cols], q) for x in (k, v))
+                    scores = jnp.einsum("bqhd,bkhd->bhqk", q[:, rows], k_) * scale
                     # Within a piece paired with itself, a query sees only the keys up to its own.
                     visible = (q_piece > k_piece) | (
                         jnp.arange(piece)[:, None] >= jnp.arange(piece)[None, :]
@@ -204,7 +211,7 @@ def ring_attention(q, k, v):
                     new_max = jnp.maximum(running_max[..., rows], scores.max(-1))
                     rescale = jnp.exp(running_max[..., rows] - new_max)
                     weights = jnp.exp(scores - new_max[..., None])
-                    block_out = jnp.einsum("bhqk,bkhd->bqhd", weights, v[:, cols])
+                    block_out = jnp.einsum("bhqk,bkhd->bqhd", weights, v_)
                     return (
                         running_max.at[..., rows].set(new_max),
                         running_sum.at[..., rows].set(
@@ -244,7 +251,7 @@ def all_gather_attention(q, k, v):
     devices = lax.axis_size("context")
     compute = q.dtype
     q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    k, v = (lax.all_gather(x, "context", axis=1, tiled=True) for x in (k, v))
+    k, v = (for_each_head(lax.all_gather(x, "context", axis=1, tiled=True), q) for x in (k, v))
     key_positions = jnp.asarray(balanced_order(k.shape[1], devices))
     visible = positions(q.shape[1])[:, None] >= key_positions[None, :]
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) * q.shape[-1] ** -0.5
@@ -266,6 +273,8 @@ def ulysses_attention(q, k, v, attend):
         x = lax.all_to_all(x, "context", split_axis=2, concat_axis=1, tiled=True)
         return x[:, back]
 
+    if k.shape[2] % devices:  # fewer key-value heads than devices: one per query head instead
+        k, v = (for_each_head(x, q) for x in (k, v))
     out = attend(*(heads_split(x) for x in (q, k, v)))
     return lax.all_to_all(out[:, order], "context", split_axis=1, concat_axis=2, tiled=True)
 

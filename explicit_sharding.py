@@ -92,12 +92,10 @@ class Config(common.Config):
         return common.mesh_shape(self.mesh, ("data", "model"), self.auto_mesh())
 
     def auto_mesh(self):
-        """'auto': up to 4 devices on 'model' (at most half of them, and a divisor of --heads),
-        the rest on 'data'."""
-        n = jax.device_count()
-        model = max(
-            m for m in (1, 2, 4) if n % m == 0 and self.heads % m == 0 and m <= max(1, n // 2)
-        )
+        """'auto': up to 4 devices on 'model' (at most half of them, and a divisor of the
+        key-value heads), the rest on 'data'."""
+        n, kv = jax.device_count(), self.kv_heads or self.heads
+        model = max(m for m in (1, 2, 4) if n % m == 0 and kv % m == 0 and m <= max(1, n // 2))
         return {"data": n // model, "model": model}
 
     def axis_size(self, logical_name):
@@ -115,10 +113,10 @@ class Config(common.Config):
         common.require(self.rules in RULES, "rules", f"must be one of {', '.join(RULES)}")
         super().validate()
         common.require(
-            self.heads % self.axis_size("heads") == 0,
+            (self.kv_heads or self.heads) % self.axis_size("heads") == 0,
             "mesh",
             f"splits 'heads' {self.axis_size('heads')} ways under --rules {self.rules}, which does "
-            f"not divide --heads {self.heads}; {self.example()}",
+            f"not divide the {self.kv_heads or self.heads} key-value heads; {self.example()}",
         )
         # Every axis name the rules and UNSPLIT do not know, at once (the first parameter of each)
         ruled, unknown = dict(RULES[self.rules]), {}
@@ -151,8 +149,11 @@ class Config(common.Config):
                 )
 
     def example(self):
-        """A valid --heads, or else --d-model, for these rules and this mesh."""
+        """A valid --kv-heads or --heads, or else --d-model, for these rules and this mesh."""
         split = self.axis_size("heads")
+        groups = [k for k in range(split, self.heads + 1, split) if self.heads % k == 0]
+        if self.kv_heads and self.kv_heads % split and groups:
+            return f"e.g. --kv-heads {groups[0]}"
         if self.heads % split:
             heads = [h for h in range(split, self.d_model + 1, split) if self.d_model % h == 0]
             return (

@@ -71,12 +71,10 @@ class Config(common.Config):
         return common.mesh_shape(self.mesh, ("data", "model"), self.auto_mesh())
 
     def auto_mesh(self):
-        """'auto': up to 4 devices on 'model' (at most half of them, and a divisor of --heads),
-        the rest on 'data'."""
-        n = jax.device_count()
-        model = max(
-            m for m in (1, 2, 4) if n % m == 0 and self.heads % m == 0 and m <= max(1, n // 2)
-        )
+        """'auto': up to 4 devices on 'model' (at most half of them, and a divisor of the
+        key-value heads), the rest on 'data'."""
+        n, kv = jax.device_count(), self.kv_heads or self.heads
+        model = max(m for m in (1, 2, 4) if n % m == 0 and kv % m == 0 and m <= max(1, n // 2))
         return {"data": n // model, "model": model}
 
     def batch_shards(self):
@@ -84,12 +82,12 @@ class Config(common.Config):
 
     def validate(self):
         super().validate()
-        model, auto = self.mesh_axes()["model"], self.auto_mesh()
+        model, auto, kv = self.mesh_axes()["model"], self.auto_mesh(), self.kv_heads or self.heads
         common.require(
-            self.heads % model == 0,
+            kv % model == 0,
             "mesh",
-            f"model={model} must divide --heads {self.heads}, e.g. --mesh "
-            f"data={auto['data']},model={auto['model']}",
+            f"model={model} must divide the {kv} key-value heads (each device holds whole ones), "
+            f"e.g. --mesh data={auto['data']},model={auto['model']}",
         )
         common.require(
             not self.sequence_parallel or self.seq_len % model == 0,

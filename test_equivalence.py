@@ -353,6 +353,23 @@ def test_pjit_tp_s_suggested_entries_train_a_new_model_and_match(monkeypatch):
     compare("pjit_tp", run_uncached("pjit_tp", **llama), reference(**llama), llama)
 
 
+# Grouped-query attention: 4 query heads share 2 key-value heads, and an MLP of 96 hidden units
+# (not 4 x --d-model). Every pytest: tensor parallelism, which splits whole groups (model=2, the
+# 2 key-value heads' divisor), the ring and Ulysses (fewer key-value heads than its 4 devices:
+# repeated for each query head before its all-to-alls). -m full: every strategy.
+GQA = {"kv_heads": 2, "mlp_dim": 96}
+
+
+@pytest.mark.parametrize(
+    "name", matrix(list(STRATEGIES), ["pjit_tp", "context_parallel", "context_ulysses"])
+)
+def test_grouped_query_attention_matches(name):
+    boxes = dict(common.logical_names(common.Config(**{**SMALL, **GQA})))
+    assert boxes["block_0/attn/qkv/kernel"].value.shape == (64, (4 + 2 * 2) * 16)  # q, k, v
+    assert boxes["block_0/mlp/fc1/kernel"].value.shape == (64, 96)
+    compare(name, run_uncached(name, **GQA), reference(**GQA, **model_flags(name)), GQA)
+
+
 # Every pytest: the scripts that reach into a model (FSDP's gathers per piece, context
 # parallelism's hooks); tests/tied_llama.py's same blocks train under pipeline.py there too
 # (test_a_tied_head_matches), and under pjit_tp.py with its suggested entries (above).
@@ -899,13 +916,14 @@ def check_collectives(module, config, result, specs, mesh):
         # One key's or value's block of a device, and the whole sequence's: float32 (ring and
         # all-gather compute in it), or the compute dtype (Ulysses sends the activations as are)
         block = rows * config.seq_len // mesh.shape["context"] * config.d_model
+        kv_block = block // config.heads * (config.kv_heads or config.heads)  # grouped-query: fewer
         sizes = [nbytes for op, g, _, nbytes, _ in found if g == context and op != "all-reduce"]
         if split == "ring":  # per layer N - 1 hops of a key and a value block, and back
             hops = layers * 2 * 2 * (mesh.shape["context"] - 1) * micro
             assert count("collective-permute") == hops, (count("collective-permute"), hops)
             moved = {"collective-permute"}
         elif split == "all-gather":  # per layer the keys and values gathered, their grads back
-            gathered, n = block * mesh.shape["context"] * 4, 2 * layers * micro
+            gathered, n = kv_block * mesh.shape["context"] * 4, 2 * layers * micro
             if not config.experts:  # (whose routing gathers over 'context' too)
                 assert count("all-gather", context) == count("reduce-scatter", context) == n
                 assert set(sizes) == {gathered}, (sizes, gathered)
@@ -913,7 +931,8 @@ def check_collectives(module, config, result, specs, mesh):
         else:  # Ulysses: per layer q, k, v to a head split and the output back, and backward
             assert count("all-to-all", context) == 8 * layers * micro, count("all-to-all", context)
             if not config.experts:  # in the compute dtype; XLA:CPU sends bfloat16 as float32
-                assert set(sizes) <= {block * jnp.dtype(config.dtype).itemsize, block * 4}, sizes
+                itemsize = jnp.dtype(config.dtype).itemsize
+                assert set(sizes) <= {b * n for b in (block, kv_block) for n in (itemsize, 4)}
             moved = {"all-to-all"}
         allowed = (
             {"all-reduce"} | moved | ({"all-gather", "reduce-scatter"} if config.experts else set())

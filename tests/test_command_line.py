@@ -76,7 +76,17 @@ BAD_INPUTS = [
     (
         ["--heads", "6", "--d-model", "96", "--mesh", "data=2,model=4"],
         ("pjit_tp",),
-        "model=4 must divide --heads 6",
+        "model=4 must divide the 6 key-value heads",
+    ),
+    (
+        ["--kv-heads", "1", "--mesh", "data=4,model=2"],
+        ("pjit_tp",),
+        "model=2 must divide the 1 key-value heads (each device holds whole ones)",
+    ),
+    (
+        ["--kv-heads", "2", "--mesh", "data=2,model=4"],
+        RULED,
+        "which does not divide the 2 key-value heads; e.g. --kv-heads 4",
     ),
     (
         ["--heads", "6", "--d-model", "96", "--mesh", "data=2,model=4"],
@@ -89,6 +99,7 @@ BAD_INPUTS = [
         "splits 'embed' 8 ways under --rules fsdp",
     ),
     (["--d-model", "100", "--heads", "8"], SCRIPTS, "--heads must divide --d-model 100"),
+    (["--kv-heads", "3"], SCRIPTS, "--kv-heads must divide --heads 4, e.g. --kv-heads 2"),
     (
         ["--mesh", "data=2,stage=4", "--layers", "3"],
         ("pipeline",),

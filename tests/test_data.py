@@ -351,11 +351,13 @@ LOADERS = [  # (a loader's file, what the one-line error says)
     ("def load(config):\n    return 3\n", "what load(config) returns has no batch()"),
     (
         loader("np.zeros((stop - start, 4))"),
-        "returns float64[2, 4]; it must return int32 tokens [2, 17]",
+        "returns float64[8, 4]; it must return int32 tokens [8, 17]",
     ),
     (
-        loader("np.full((stop - start, 17), 300, np.int32)"),
-        "tokens from 300 to 300, outside 0 .. --vocab-size 256 - 1, e.g. --vocab-size 301",
+        # The largest id is not in the first batch: every batch read counts
+        loader("np.full((stop - start, 17), 100 * (step % 5), np.int32)"),
+        "token ids from 0 to 400 in 32 batches, outside 0 .. --vocab-size 256 - 1: give your "
+        "tokenizer's size (at least 401)",
     ),
     (
         "def load(config):\n    raise OSError('tokens.bin is missing')\n",
@@ -372,6 +374,18 @@ def test_the_checker_finds_a_loader_that_breaks_the_contract(source, message, tm
     assert done.returncode == 2 and done.stdout == "", done.stdout
     error = done.stderr.strip().splitlines()
     assert len(error) == 1 and message.replace("MY_DATA", str(tmp_path / "my_data.py")) in error[0]
+
+
+def test_a_token_past_the_vocabulary_stops_the_run_saying_so(tmp_path):
+    """A run trusts its loader (tools/check.py checks it): a token id past --vocab-size makes
+    the first loss NaN, and the run stops there, in one line that names the likely causes."""
+    (tmp_path / "my_data.py").write_text(loader("np.full((stop - start, 17), 300, np.int32)"))
+    done = run_script("shardmap_dp", tmp_path, *TINY, "--dataset", "my_data.py")
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "stopped: the loss is nan at step 1; not saved (a token id past --vocab-size "
+        "(tools/check.py --dataset) or too high an --lr?)"
+    )
 
 
 def test_a_loader_file_without_load_is_one_line(tmp_path, monkeypatch, capsys):

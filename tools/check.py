@@ -284,9 +284,13 @@ def _shape_text(x) -> str:
     return repr(x)
 
 
+READ = 16  # batches of each split read: the largest id of one batch may not be the data's
+
+
 def check_dataset(config: Config):
-    """The dataset --dataset names, prepared if it is a TFDS one that is not yet, and one batch
-    of each split read: int32 tokens [rows, --seq-len + 1], from 0 to --vocab-size - 1."""
+    """The dataset --dataset names, prepared if it is a TFDS one that is not yet, and READ
+    batches of each split read: int32 tokens [rows, --seq-len + 1], from 0 to --vocab-size - 1.
+    What it is, and the ids read."""
     name = config.dataset
     if name != "synthetic" and not common.is_yours(name) and not os.path.exists(name):
         prepare_tfds(config)
@@ -306,28 +310,31 @@ def check_dataset(config: Config):
             f"{name}: what load(config) returns has no {method}(): a dataset has batch(step, "
             "start, stop, split) and describe() (README: Your own model and data)",
         )
-    rows, wanted = min(2, config.batch_size), (min(2, config.batch_size), config.seq_len + 1)
+    rows, wanted = config.batch_size, (config.batch_size, config.seq_len + 1)
+    least = most = 0
     for split in common.SPLITS:
-        call = f"batch(0, 0, {rows}, '{split}')"
-        try:
-            tokens = np.asarray(dataset.batch(0, 0, rows, split))
-        except Exception as error:
-            raise ConfigError(
-                f"--dataset {name}: {call} failed: {_failure(error, origin)}"
-            ) from None
-        require(
-            tokens.shape == wanted and tokens.dtype == np.int32,
-            "dataset",
-            f"{name}: {call} returns {tokens.dtype}{list(tokens.shape)}; it must return int32 "
-            f"tokens {list(wanted)} (rows, --seq-len + 1)",
-        )
-        require(
-            tokens.min() >= 0 and tokens.max() < config.vocab_size,
-            "dataset",
-            f"{name}: {call} has tokens from {tokens.min()} to {tokens.max()}, outside 0 .. "
-            f"--vocab-size {config.vocab_size} - 1, e.g. --vocab-size {int(tokens.max()) + 1}",
-        )
-    return dataset
+        for step in range(READ):
+            call = f"batch({step}, 0, {rows}, '{split}')"
+            try:
+                tokens = np.asarray(dataset.batch(step, 0, rows, split))
+            except Exception as error:
+                raise ConfigError(
+                    f"--dataset {name}: {call} failed: {_failure(error, origin)}"
+                ) from None
+            require(
+                tokens.shape == wanted and tokens.dtype == np.int32,
+                "dataset",
+                f"{name}: {call} returns {tokens.dtype}{list(tokens.shape)}; it must return "
+                f"int32 tokens {list(wanted)} (rows, --seq-len + 1)",
+            )
+            least, most = min(least, int(tokens.min())), max(most, int(tokens.max()))
+    require(
+        least >= 0 and most < config.vocab_size,
+        "dataset",
+        f"{name}: token ids from {least} to {most} in {2 * READ} batches, outside 0 .. "
+        f"--vocab-size {config.vocab_size} - 1: give your tokenizer's size (at least {most + 1})",
+    )
+    return f"{dataset.describe()}; token ids from {least} to {most} in {2 * READ} batches"
 
 
 def prepare_tfds(config: Config):
@@ -380,11 +387,11 @@ def main(argv=None):
         config.validate()
         check_model_file(config)
         check_model(config)
-        dataset = check_dataset(config)
+        data = check_dataset(config)
     except ConfigError as error:
         common.exit_bad_input(str(error))
     print(f"--model {config.model} keeps the scripts' contract")
-    print(f"--dataset {config.dataset} keeps it too: {dataset.describe()}")
+    print(f"--dataset {config.dataset} keeps it too: {data}")
 
 
 if __name__ == "__main__":
