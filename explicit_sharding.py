@@ -141,12 +141,25 @@ class Config(common.Config):
         )
         for path, box in common.logical_names(self):
             for name, size in zip(box.names, box.value.shape, strict=True):
-                common.require(
-                    size % self.axis_size(name) == 0,
-                    "mesh",
-                    f"splits '{name}' {self.axis_size(name)} ways under --rules {self.rules}, "
-                    f"which does not divide its size {size} in {path}; {self.example()}",
-                )
+                if size % self.axis_size(name):  # --d-model, if it is the GPT's width
+                    gpt = (name, size) == ("embed", self.d_model)
+                    common.require(
+                        False,
+                        "mesh",
+                        f"splits '{name}' {self.axis_size(name)} ways under --rules {self.rules}, "
+                        f"which does not divide its size {size} in {path}; "
+                        + (self.example() if gpt else self.whole(name, size, box)),
+                    )
+
+    def whole(self, name, size, box):
+        """What would split a parameter's axis evenly, and what keeping it whole would cost."""
+        split, n, kv = self.axis_size(name), jax.device_count(), self.kv_heads or self.heads
+        fits = max(m for m in (1, 2, 4) if size % m == 0 and n % m == 0 and kv % m == 0)
+        return (
+            f"give it a size {split} divides ({-(-size // split) * split}) or a mesh that does, "
+            f"e.g. --mesh data={n // fits},model={fits}; kept whole (its axis in UNSPLIT), every "
+            f"device holds all {box.value.size * 4:,} bytes of it"
+        )
 
     def example(self):
         """A valid --kv-heads or --heads, or else --d-model, for these rules and this mesh."""

@@ -97,7 +97,7 @@ class Config(common.Config):
             f"{model * max(1, self.seq_len // model)}",
         )
         # Every parameter in PARAM_SPECS: all the ones missing named at once, with their entries
-        missing = uncovered(self)
+        missing, whole = uncovered(self)
         names = ", ".join(f"{path} {shape}" for path, shape, _ in missing.values())
         common.require(
             not missing,
@@ -105,9 +105,16 @@ class Config(common.Config):
             f"{self.model}: {names} {'are' if len(missing) > 1 else 'is'} in no entry of "
             "pjit_tp.py's PARAM_SPECS; their logical names suggest these entries (P() "
             "replicates): "
-            + " ".join(f'(r"{pattern}", {spec}),' for pattern, (*_, spec) in missing.items()),
+            + " ".join(f'(r"{pattern}", {spec}),' for pattern, (*_, spec) in missing.items())
+            + (f"; {whole[0]}" if whole else ""),
         )
         jax.tree_util.tree_map_with_path(state_spec, common.model_shapes(self))
+        # Every axis an entry splits over 'model' splits evenly
+        for path, box in common.logical_names(self):
+            spec = next(spec for pattern, spec in PARAM_SPECS if re.search(pattern, path))
+            for axis, size in zip(spec, box.value.shape[-len(spec) :] if spec else (), strict=True):
+                whole = whole_axis(self, path, box, size)
+                common.require(axis != "model" or size % model == 0, "mesh", whole)
 
 
 def make_mesh(config):
@@ -158,20 +165,36 @@ SEQUENCE_PARALLEL = (
 def uncovered(config):
     """{pattern: (path, shape, entry)} for each parameter no entry of PARAM_SPECS covers, the
     blocks' taken together (block_N), with the spec its logical names suggest: Megatron's, the
-    heads, MLP units and vocabulary over 'model' where they split evenly."""
-    model, found = config.mesh_axes()["model"], {}
+    heads, MLP units and vocabulary over 'model' where they split evenly; and a line for each
+    that does not, which its entry keeps whole."""
+    model, found, whole = config.mesh_axes()["model"], {}, []
     for path, box in common.logical_names(config):
         if not any(re.search(pattern, path) for pattern, _ in PARAM_SPECS):
             pattern = re.escape(re.sub(r"^(block_\d+|blocks)/", "/", path)) + "$"
-            axes = [
-                "'model'" if name in MEGATRON and size % model == 0 else "None"
-                for name, size in zip(box.names, box.value.shape, strict=True)
-                if name != "layers"
-            ]
+            megatron = [(n in MEGATRON, s) for n, s in zip(box.names, box.value.shape, strict=True)]
+            axes = ["'model'" if m and s % model == 0 else "None" for m, s in megatron]
             shape = tuple(box.value.shape)
+            whole += [
+                whole_axis(config, path, box, s)
+                for m, s in megatron
+                if m and s % model and pattern not in found
+            ]
             entry = f"P({', '.join(axes)})" if "'model'" in axes else "P()"
             found.setdefault(pattern, (re.sub(r"block_\d+", "block_N", path), shape, entry))
-    return found
+    return found, whole
+
+
+def whole_axis(config, path, box, size):
+    """A parameter's axis of `size` that 'model' does not divide: what would split it, and what
+    keeping it whole costs."""
+    model, n, kv = config.mesh_axes()["model"], jax.device_count(), config.kv_heads or config.heads
+    fits = max(m for m in (1, 2, 4) if size % m == 0 and n % m == 0 and kv % m == 0)
+    return (
+        f"{path} {tuple(box.value.shape)}: model={model} does not divide its axis of {size}: give "
+        f"it a size {model} divides ({-(-size // model) * model}) or a mesh whose 'model' does, "
+        f"e.g. --mesh data={n // fits},model={fits}; whole (P()), every device holds all "
+        f"{box.value.size * 4:,} bytes of it ({model}x a split one's)"
+    )
 
 
 MEGATRON = ("heads", "kv_heads", "mlp", "vocab")  # the logical axes split over 'model'

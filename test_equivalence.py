@@ -346,7 +346,8 @@ def test_pjit_tp_s_suggested_entries_train_a_new_model_and_match(monkeypatch):
     suggest (tests/test_your_model.py checks the message); pasted, they train tests/llama.py as
     one device does."""
     llama = {"model": "tests.llama"}
-    missing = pjit_tp.uncovered(pjit_tp.Config(**{**SMALL, **llama}))
+    missing, whole = pjit_tp.uncovered(pjit_tp.Config(**{**SMALL, **llama}))
+    assert not whole  # every axis its names split, split evenly
     assert len(missing) == 9  # 7 per block, taken together, and the final norm
     entries = tuple((pattern, eval(spec, {"P": P})) for pattern, (*_, spec) in missing.items())
     monkeypatch.setattr(pjit_tp, "PARAM_SPECS", entries + pjit_tp.PARAM_SPECS)

@@ -101,6 +101,20 @@ BAD_INPUTS = [
     (["--d-model", "100", "--heads", "8"], SCRIPTS, "--heads must divide --d-model 100"),
     (["--kv-heads", "3"], SCRIPTS, "--kv-heads must divide --heads 4, e.g. --kv-heads 2"),
     (
+        ["--mlp-dim", "98", "--mesh", "data=2,model=4"],
+        ("pjit_tp",),
+        "block_0/mlp/fc1/bias (98,): model=4 does not divide its axis of 98: give it a size 4 "
+        "divides (100) or a mesh whose 'model' does, e.g. --mesh data=4,model=2; whole (P()), "
+        "every device holds all 392 bytes of it (4x a split one's)",
+    ),
+    (
+        ["--mlp-dim", "98", "--mesh", "data=2,model=4"],
+        RULED,
+        "which does not divide its size 98 in block_0/mlp/fc1/bias; give it a size 4 divides "
+        "(100) or a mesh that does, e.g. --mesh data=4,model=2; kept whole (its axis in UNSPLIT), "
+        "every device holds all 392 bytes of it",
+    ),
+    (
         ["--mesh", "data=2,stage=4", "--layers", "3"],
         ("pipeline",),
         "--layers 3 must split evenly over stage=4",

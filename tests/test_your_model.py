@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import common
+import pjit_tp
 from tools import check
 from tests.harness import ROOT, SCRIPTS, SMALL, TINY, copy_alone, run_script, run_uncached
 
@@ -74,6 +75,21 @@ def test_pjit_tp_trains_a_model_file_with_its_table_entries(tmp_path):
         r"block_0/gate/kernel +\(32, 80\) +P\(None, 'model'\) +2,560\n", done.stdout
     ), done.stdout
     assert re.search(r"block_0/kv/kernel +\(32, 32\) +P\(\) +4,096\n", done.stdout), done.stdout
+
+
+def test_pjit_tp_says_what_a_suggested_entry_keeps_whole(tmp_path):
+    """An MLP width that model=4 does not divide: the entries suggested keep it whole, and the
+    line says so, with what would split it and what whole costs (not a silent replication)."""
+    wide = ("hidden = 8 * c.d_model // 3 // 16 * 16 or 16", "hidden = 98")
+    (tmp_path / "wide.py").write_text(broken(wide))
+    model = {"model": str(tmp_path / "wide.py"), "mesh": "data=2,model=4"}
+    missing, whole = pjit_tp.uncovered(pjit_tp.Config(**{**SMALL, **model}))
+    assert missing[r"/gate/kernel$"][2] == missing[r"/down/kernel$"][2] == "P()"
+    assert (
+        "block_0/gate/kernel (64, 98): model=4 does not divide its axis of 98: give it a size 4 "
+        "divides (100) or a mesh whose 'model' does, e.g. --mesh data=4,model=2; whole (P()), "
+        "every device holds all 25,088 bytes of it (4x a split one's)"
+    ) in whole
 
 
 def broken(change):
