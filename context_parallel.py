@@ -169,8 +169,8 @@ def for_each_head(x, q):
 
 def ring_attention(q, k, v):
     """Causal attention of this device's queries to the whole sequence, the keys and values
-    travelling around the 'context' ring. q, k, v: [batch, local length, heads, head_dim], the
-    local length being this device's two pieces."""
+    travelling around the 'context' ring. q [batch, local length, heads, head_dim], k and v the
+    same with key-value heads, the local length being this device's two pieces."""
     devices, device = lax.axis_size("context"), lax.axis_index("context")
     piece = q.shape[1] // 2
     # Computed in float32 whatever the compute dtype: the scores and softmax, as

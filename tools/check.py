@@ -311,7 +311,7 @@ def check_dataset(config: Config):
             "start, stop, split) and describe() (README: Your own model and data)",
         )
     rows, wanted = config.batch_size, (config.batch_size, config.seq_len + 1)
-    least = most = 0
+    seen = []  # each batch's least and largest id
     for split in common.SPLITS:
         for step in range(READ):
             call = f"batch({step}, 0, {rows}, '{split}')"
@@ -327,7 +327,8 @@ def check_dataset(config: Config):
                 f"{name}: {call} returns {tokens.dtype}{list(tokens.shape)}; it must return "
                 f"int32 tokens {list(wanted)} (rows, --seq-len + 1)",
             )
-            least, most = min(least, int(tokens.min())), max(most, int(tokens.max()))
+            seen.append((int(tokens.min()), int(tokens.max())))
+    least, most = min(low for low, _ in seen), max(high for _, high in seen)
     require(
         least >= 0 and most < config.vocab_size,
         "dataset",
