@@ -259,9 +259,9 @@ class Attention(nn.Module):
         # parts (tensor parallelism), each device gets whole groups. No bias: a key bias adds the
         # same q.b to a query's scores, which softmax ignores (its gradient is zero).
         qkv = _dense(c, (c.heads + 2 * kv) * head_dim, ("embed", "heads"), "qkv", use_bias=False)
-        qkv = qkv(x).reshape(*x.shape[:-1], kv, -1, head_dim)
+        qkv = qkv(x).reshape(*x.shape[:-1], kv, c.heads // kv + 2, -1)
         q, k, v = jnp.split(qkv, [c.heads // kv, c.heads // kv + 1], axis=-2)
-        q, k, v = q.reshape(*x.shape[:-1], c.heads, head_dim), k.squeeze(-2), v.squeeze(-2)
+        q, k, v = q.reshape(*x.shape[:-1], c.heads, -1), k.squeeze(-2), v.squeeze(-2)
         heads = ("batch", "length", "act_heads", None)
         q, k, v = (nn.with_logical_constraint(t, heads) for t in (q, k, v))
         x = nn.with_logical_constraint(self.attend(q, k, v), heads)
@@ -423,7 +423,8 @@ def from_nnx(module_class: type) -> type:
                 for name, value in _linen_params(nnx.state(module, nnx.Param)).items():
                     self.put_variable("params", name, value)
             else:  # the module's shapes alone (nothing computed), then the parameters it is given
-                module = nnx.eval_shape(lambda: build(self, nnx.Rngs(params=0, dropout=0)))
+                split = lambda: nnx.split(build(self, nnx.Rngs(params=0, dropout=0)))  # noqa: E731
+                module = nnx.merge(*jax.eval_shape(split))
                 params = nn.unbox(flax.core.unfreeze(self.variables.get("params", {})))
                 nnx.update(module, nnx.State(params))
             dropout = self.make_rng("dropout") if self.has_rng("dropout") else jax.random.key(0)
