@@ -214,7 +214,7 @@ def test_the_benchmark_table_is_what_the_scripts_compile(strategy):
 def test_the_mutation_table_is_the_catalogues():
     """docs/mutations.md's table has a row for each bug of tools/mutations.py, in order, each
     caught: the table tools/mutations.py --write made from the catalogue as it is today (the run
-    itself is not a test: about 20 minutes); and each bug's edit still finds its text, once, in
+    itself is not a test: about 11 minutes); and each bug's edit still finds its text, once, in
     the code as it is."""
     sys.path.insert(0, str(ROOT / "tools"))
     import mutations
