@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import functools
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -20,12 +21,13 @@ import zlib
 from collections.abc import Callable
 from typing import Any
 
-import flax
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
+from flax.linen import with_logical_constraint as constrain  # rules' layout; none: x
+from flax.nnx import bridge
 from flax.training import train_state
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.experimental import multihost_utils
@@ -90,7 +92,7 @@ class TrainingConfig:
     router_aux_weight: float = arg(0.01, "with --experts: load-balancing loss weight", min=0)
     router_bias_rate: float = arg(0.0, "with --experts: balance bias moved this much a step", min=0)
     microbatches: int = arg(1, "gradient accumulation: sequential micro-batches per step", min=1)
-    scan_layers: bool = arg(False, "run the blocks with nn.scan: one compiled block")
+    scan_layers: bool = arg(False, "run the blocks with lax.scan: one compiled block")
     remat: bool = arg(False, "recompute each block's activations in the backward pass")
     dataset: str = arg("synthetic", "synthetic, input.txt, a TFDS name or yours (my_data.py)")
     data_dir: str | None = arg(None, "where TFDS datasets are prepared (tools/check.py)")
@@ -121,59 +123,59 @@ def check_ranges(c: TrainingConfig):
 
 # ----------------------------------------------------------------------------------------------
 # Model. The scripts train any model made of three pieces: the GPT-2-style decoder below, or
-# your own (--model; tools/check.py checks it on shapes alone). Its contract:
-#
-#   1. Three Flax linen module classes named Embed, Block and Head, each a Piece, built as
-#      Piece(config, hooks) and called as piece(x, deterministic):
-#        Embed: tokens [batch, length] int32 -> activations [batch, length, features];
-#        Block: activations -> (activations alike, sums): sums is None or a dict of float32
-#               sums over its rows, added up into the metrics ('aux_loss_sum' joins the loss);
-#        Head:  activations -> float32 logits [batch, length, --vocab-size].
-#      Model puts them together; pipeline.py runs them one by one on their stages.
-#   2. Every parameter is declared with nn.with_logical_partitioning(init, names), a logical
-#      name per axis, e.g. ("embed", "mlp"): fsdp.py boxes its shards by them, logical_pjit.py
-#      maps them onto the mesh. (NNX pieces use nnx.with_partitioning: from_nnx.)
-#   3. Attention goes through self.attend(q, k, v) (each [batch, length, heads, head_dim],
-#      causal) and positions come from self.positions(length): hooks context_parallel.py
-#      replaces. A mixture of experts reaches its experts through self.to_experts or
-#      self.dropless, the whole sequence through self.whole_sequence (MoeMlp).
-#   4. No parameter is shared between pieces but what the head ties to the embedding: one at
-#      the path of one of Embed's, named in TIED = ("token/embedding",). Randomness only from
-#      Flax's 'dropout' rng.
-#
-# Activations carry logical constraints, inert unless a script installs rules: the residual
-# stream's ("batch", "length", ...) splits under sequence parallelism, a matmul's input is whole.
+# your own (--model; tools/check.py checks it on shapes alone). Its contract, in Flax NNX:
+#   1. nnx.Modules named Embed, Block and Head, built as Piece(config, hooks, rngs=rngs), called
+#      as piece(x, deterministic): Embed, tokens [batch, length] int32 -> activations [batch,
+#      length, features]; Block, activations -> (activations alike, None or a dict of float32
+#      sums over its rows for the metrics, 'aux_loss_sum' joining the loss); Head, activations
+#      -> float32 logits [batch, length, --vocab-size]. (Linen pieces: from_linen.)
+#   2. Every parameter names its axes: nnx.with_partitioning(init, names), e.g. ("embed", "mlp").
+#   3. Attention goes through hooks.attend(q, k, v) (q [batch, length, heads, head_dim]; k, v as
+#      many or fewer heads; causal), positions come from hooks.positions(length); a mixture of
+#      experts reaches them through hooks.to_experts or .dropless, its sequence .whole_sequence.
+#   4. Pieces share no parameter but what the head ties to the embedding, at the same path, in
+#      TIED = ("token/embedding",); no state but parameters and nnx.Dropout's (seeded per call).
+# Activations carry logical constraints, inert without a script's rules (sequence parallelism).
 # ----------------------------------------------------------------------------------------------
 
 
 def _init(names, scale=1.0):
-    return nn.with_logical_partitioning(nn.initializers.normal(0.02 * scale), names)
+    return nnx.with_partitioning(nnx.initializers.normal(0.02 * scale), names)
 
 
 def _zeros(names):
-    return nn.with_logical_partitioning(nn.initializers.zeros, names)
+    return nnx.with_partitioning(nnx.initializers.zeros_init(), names)
 
 
-def _dense(config, features, names, name, scale=1.0, use_bias=True):
-    """A Dense layer computing in --dtype; `names` are the logical axes of its kernel."""
-    return nn.Dense(
+def _linear(config, features_in, features, names, rngs, scale=1.0, use_bias=True):
+    """A Linear layer computing in --dtype; `names` are the logical axes of its kernel."""
+    return nnx.Linear(
+        features_in,
         features,
         use_bias=use_bias,
         kernel_init=_init(names, scale),
         bias_init=_zeros(names[-1:]),
         dtype=config.dtype,
-        name=name,
+        rngs=rngs,
     )
 
 
-def _layer_norm(config, name):
-    ones = nn.with_logical_partitioning(nn.initializers.ones, ("norm",))
-    return nn.LayerNorm(dtype=config.dtype, scale_init=ones, bias_init=_zeros(("norm",)), name=name)
+def _embed(config, count, names, rngs):
+    return nnx.Embed(
+        count, config.d_model, embedding_init=_init(names), dtype=config.dtype, rngs=rngs
+    )
+
+
+def _layer_norm(config, rngs):
+    ones, zeros = nnx.with_partitioning(nnx.initializers.ones_init(), ("norm",)), _zeros(("norm",))
+    return nnx.LayerNorm(
+        config.d_model, dtype=config.dtype, scale_init=ones, bias_init=zeros, rngs=rngs
+    )
 
 
 def _whole_sequence(x):
     """x [batch, length, features] whole along the sequence: sequence parallelism gathers it."""
-    return nn.with_logical_constraint(x, ("batch", None, "act_embed"))
+    return constrain(x, ("batch", None, "act_embed"))
 
 
 def _residual_scale(config):
@@ -181,32 +183,24 @@ def _residual_scale(config):
     return 1 / math.sqrt(2 * config.layers)
 
 
-def sequence_positions(length: int):
-    """The positions of a sequence's tokens: 0 .. length - 1 (context_parallel.py: its pieces')."""
-    return jnp.arange(length)
-
-
 def causal_attention(q, k, v, implementation="xla"):
-    """Softmax attention of each position to itself and those before: q, k, v [batch, length,
-    heads, head_dim], softmax in float32 (context_parallel.py passes ring attention instead)."""
+    """Each position's softmax attention (in float32) to itself and those before."""
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
-def this_sequence(x):
-    """x [rows, length, ...] of this device's tokens, for their whole sequences: all here
-    (context_parallel.py, whose devices hold pieces of every sequence, gathers them)."""
+def sequence_positions(length: int):  # context_parallel.py: its pieces' global positions
+    return jnp.arange(length)
+
+
+def this_sequence(x):  # context_parallel.py, whose devices hold pieces of it, gathers them
     return x
 
 
-def experts_here(experts, x):
-    """The experts on their slots x [experts, rows, capacity, features], on this device
-    (expert_parallel.py: an all-to-all to the devices holding them, and one back)."""
+def experts_here(experts, x):  # expert_parallel.py: an all-to-all to their devices, and back
     return experts(x)
 
 
-def dropless_here(mixture, x, expert, gate):
-    """Every token of x [rows, length, features] through its experts (expert, gate [rows,
-    length, k]), on this device (expert_parallel.py: to the devices holding them, and back)."""
+def dropless_here(mixture, x, expert, gate):  # expert_parallel.py: the same, dropless
     return mixture(x, expert, gate)
 
 
@@ -216,103 +210,93 @@ class Hooks:
 
     attend: Callable = causal_attention  # q, k, v -> causal attention's output
     positions: Callable = sequence_positions  # this device's token count -> their positions
-    to_experts: Callable = experts_here  # (the experts, their slots) -> their outputs
-    dropless: Callable = dropless_here  # (the experts, tokens, choices, gates) -> their outputs
+    to_experts: Callable = experts_here  # (the experts, slots [experts, rows, room, d]) -> out
+    dropless: Callable = dropless_here  # (the experts, x, expert, gate [rows, length, k]) -> out
     whole_sequence: Callable = this_sequence  # something of this device's tokens -> the sequences'
 
 
-class Piece(nn.Module):
-    """A piece of a model (the contract above): built with the config and the hooks."""
+class Embed(nnx.Module):
+    def __init__(self, config: TrainingConfig, hooks: Hooks, *, rngs: nnx.Rngs):
+        c, self.hooks = config, hooks
+        self.token = _embed(c, c.vocab_size, ("vocab", "embed"), rngs)
+        self.position = _embed(c, c.seq_len, ("pos", "embed"), rngs)
+        self.dropout = nnx.Dropout(c.dropout, rngs=rngs)
 
-    config: TrainingConfig
-    hooks: Hooks = Hooks()
-    attend = property(lambda self: self.hooks.attend)
-    positions = property(lambda self: self.hooks.positions)
-    to_experts = property(lambda self: self.hooks.to_experts)
-    dropless = property(lambda self: self.hooks.dropless)
-    whole_sequence = property(lambda self: self.hooks.whole_sequence)
-
-
-class Embed(Piece):
-    @nn.compact
     def __call__(self, tokens, deterministic):
-        c = self.config
-        embed = functools.partial(nn.Embed, features=c.d_model, dtype=c.dtype)
-        x = embed(c.vocab_size, embedding_init=_init(("vocab", "embed")), name="token")(tokens)
-        x = _whole_sequence(x)  # the lookup's partial sums (a split vocabulary), added up
-        positions = self.positions(tokens.shape[1])
-        x = x + embed(c.seq_len, embedding_init=_init(("pos", "embed")), name="position")(positions)
-        x = nn.with_logical_constraint(x, ("batch", "length", "act_embed"))
-        return nn.Dropout(c.dropout)(x, deterministic=deterministic)
+        x = _whole_sequence(self.token(tokens))  # the lookup's partial sums (a split vocabulary)
+        x = x + self.position(self.hooks.positions(tokens.shape[1]))
+        x = constrain(x, ("batch", "length", "act_embed"))
+        return self.dropout(x, deterministic=deterministic)
 
 
-class Attention(nn.Module):
-    config: TrainingConfig
-    attend: Callable = causal_attention
-
-    @nn.compact
-    def __call__(self, x, deterministic):
-        c = self.config
-        kv, head_dim = c.kv_heads or c.heads, c.d_model // c.heads
+class Attention(nnx.Module):
+    def __init__(self, config: TrainingConfig, hooks: Hooks, *, rngs: nnx.Rngs):
+        c, self.attend = config, hooks.attend
+        self.heads, self.kv_heads = c.heads, c.kv_heads or c.heads
+        head_dim = c.d_model // c.heads
         # One matmul makes every query, key and value, group by group: a key-value head and the
         # query heads that share it ([kv heads, heads / kv heads + 2, head_dim]). Split into equal
         # parts (tensor parallelism), each device gets whole groups. No bias: a key bias adds the
         # same q.b to a query's scores, which softmax ignores (its gradient is zero).
-        qkv = _dense(c, (c.heads + 2 * kv) * head_dim, ("embed", "heads"), "qkv", use_bias=False)
-        qkv = qkv(x).reshape(*x.shape[:-1], kv, c.heads // kv + 2, -1)
-        q, k, v = jnp.split(qkv, [c.heads // kv, c.heads // kv + 1], axis=-2)
-        q, k, v = q.reshape(*x.shape[:-1], c.heads, -1), k.squeeze(-2), v.squeeze(-2)
+        width = (c.heads + 2 * self.kv_heads) * head_dim
+        self.qkv = _linear(c, c.d_model, width, ("embed", "heads"), rngs, use_bias=False)
+        self.out = _linear(c, c.d_model, c.d_model, ("heads", "embed"), rngs, _residual_scale(c))
+        self.dropout = nnx.Dropout(c.dropout, rngs=rngs)
+
+    def __call__(self, x, deterministic):
+        group = self.heads // self.kv_heads
+        qkv = self.qkv(x).reshape(*x.shape[:-1], self.kv_heads, group + 2, -1)
+        q, k, v = jnp.split(qkv, [group, group + 1], axis=-2)
+        q, k, v = q.reshape(*x.shape[:-1], self.heads, -1), k.squeeze(-2), v.squeeze(-2)
         heads = ("batch", "length", "act_heads", None)
-        q, k, v = (nn.with_logical_constraint(t, heads) for t in (q, k, v))
-        x = nn.with_logical_constraint(self.attend(q, k, v), heads)
-        out = _dense(c, c.d_model, ("heads", "embed"), "out", _residual_scale(c))
-        x = out(x.reshape(*x.shape[:-2], -1))
-        return nn.Dropout(c.dropout)(x, deterministic=deterministic)
+        q, k, v = (constrain(t, heads) for t in (q, k, v))
+        x = constrain(self.attend(q, k, v), heads)
+        return self.dropout(self.out(x.reshape(*x.shape[:-2], -1)), deterministic=deterministic)
 
 
-class Mlp(nn.Module):
-    config: TrainingConfig
-    width: int = 1  # hidden units: width x --mlp-dim (MoeMlp's shared experts: one per expert)
+class Mlp(nnx.Module):
+    def __init__(self, config: TrainingConfig, width: int = 1, *, rngs: nnx.Rngs):
+        c, units = config, width * (config.mlp_dim or 4 * config.d_model)  # width: shared experts
+        self.fc1 = _linear(c, c.d_model, units, ("embed", "mlp"), rngs)
+        self.fc2 = _linear(c, units, c.d_model, ("mlp", "embed"), rngs, _residual_scale(c))
+        self.dropout = nnx.Dropout(c.dropout, rngs=rngs)
 
-    @nn.compact
     def __call__(self, x, deterministic):
-        c, units = self.config, self.width * (self.config.mlp_dim or 4 * self.config.d_model)
-        h = nn.gelu(_dense(c, units, ("embed", "mlp"), "fc1")(x))
-        h = nn.with_logical_constraint(h, ("batch", "length", "act_mlp"))
-        x = _dense(c, c.d_model, ("mlp", "embed"), "fc2", _residual_scale(c))(h)
-        return nn.Dropout(c.dropout)(x, deterministic=deterministic)
+        h = constrain(nnx.gelu(self.fc1(x)), ("batch", "length", "act_mlp"))
+        return self.dropout(self.fc2(h), deterministic=deterministic)
 
 
-class Block(Piece):
-    @nn.compact
+class Block(nnx.Module):
+    def __init__(self, config: TrainingConfig, hooks: Hooks, *, rngs: nnx.Rngs):
+        self.ln1, self.ln2 = _layer_norm(config, rngs), _layer_norm(config, rngs)
+        self.attn = Attention(config, hooks, rngs=rngs)
+        self.mlp = MoeMlp(config, hooks, rngs=rngs) if config.experts else Mlp(config, rngs=rngs)
+
     def __call__(self, x, deterministic):
-        attention = Attention(self.config, self.attend, name="attn")
-        x = x + attention(_whole_sequence(_layer_norm(self.config, "ln1")(x)), deterministic)
-        h = _whole_sequence(_layer_norm(self.config, "ln2")(x))
-        if self.config.experts:
-            h, stats = MoeMlp(self.config, self.hooks, name="mlp")(h, deterministic)
-        else:
-            h, stats = Mlp(self.config, name="mlp")(h, deterministic), None
-        x = nn.with_logical_constraint(x + h, ("batch", "length", "act_embed"))
-        return x, stats  # (carry, output): the signature nn.scan iterates
+        x = x + self.attn(_whole_sequence(self.ln1(x)), deterministic)
+        h = self.mlp(_whole_sequence(self.ln2(x)), deterministic)
+        h, stats = h if isinstance(self.mlp, MoeMlp) else (h, None)
+        return constrain(x + h, ("batch", "length", "act_embed")), stats
 
 
-class Head(Piece):
-    @nn.compact
-    def __call__(self, x, deterministic):  # the signature of every piece, so one wrap fits all
-        c = self.config
-        x = _whole_sequence(_layer_norm(c, "ln_f")(x))
+class Head(nnx.Module):
+    def __init__(self, config: TrainingConfig, hooks: Hooks, *, rngs: nnx.Rngs):
+        c, self.ln_f = config, _layer_norm(config, rngs)
         if c.tie_embeddings:  # the token embedding's table (tied: model_pieces), as the kernel
-            init = _init(("vocab", "embed"))
-            table = nn.Embed(c.vocab_size, c.d_model, embedding_init=init, name="token").embedding
-            # x @ table.T as one contraction: nn.Embed.attend's transposed copy would be kept for
-            # the backward pass under fsdp.py's remat, which gathers the table again
-            logits = jnp.einsum("...d,vd->...v", x, table.astype(c.dtype))
+            self.token = _embed(c, c.vocab_size, ("vocab", "embed"), rngs)
         else:
-            logits = _dense(c, c.vocab_size, ("embed", "vocab"), "out", use_bias=False)(x)
+            self.out = _linear(c, c.d_model, c.vocab_size, ("embed", "vocab"), rngs, use_bias=False)
+
+    def __call__(self, x, deterministic):  # the signature of every piece, so one wrap fits all
+        x = _whole_sequence(self.ln_f(x))
+        if hasattr(self, "token"):
+            # x @ table.T as one contraction: nnx.Embed.attend's transposed copy would be kept
+            # for the backward pass under fsdp.py's remat, which gathers the table again
+            logits = jnp.einsum("...d,vd->...v", x, self.token.embedding[...].astype(x.dtype))
+        else:
+            logits = self.out(x)
         # The loss is computed in float32 whatever the compute dtype.
-        logits = logits.astype(jnp.float32)
-        return nn.with_logical_constraint(logits, ("batch", "length", "act_vocab"))
+        return constrain(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
 
 
 class Pieces(typing.NamedTuple):
@@ -327,128 +311,132 @@ GPT = Pieces(Embed, Block, Head)
 
 def with_tied(head_params, embed_params, tied):
     """The head's parameters with those it ties: their gradient the sum of both uses."""
-    head, embed = (
-        flatten_dict(flax.core.unfreeze(p), sep="/") for p in (head_params, embed_params)
-    )
+    head, embed = (flatten_dict(p, sep="/") for p in (head_params, embed_params))
     return unflatten_dict({**head, **{path: embed[path] for path in tied}}, sep="/")
 
 
 def without_tied(head_params, tied):
     """The head's parameters less the tied ones, which are stored in the embedding."""
-    head = flatten_dict(flax.core.unfreeze(head_params), sep="/")
+    head = flatten_dict(head_params, sep="/")
     return unflatten_dict({path: x for path, x in head.items() if path not in tied}, sep="/")
 
 
-def unwrapped(module_class):
-    return module_class  # the default: each piece as it is
+def build(piece_class, config, hooks, rng):
+    """A piece, its parameters made from rng (eager sharding off: the scripts lay them out)."""
+    with nnx.use_eager_sharding(False):
+        return piece_class(config, hooks, rngs=nnx.Rngs(params=rng, dropout=0))
 
 
-class Model(nn.Module):
-    """The pieces put together, each class wrapped by `wrap` (fsdp.py's gathers its parameters)."""
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity, for jax.checkpoint
+class PieceDef:
+    """A piece as nnx.split gives it, on shapes: graph, parameters (names too), dropout streams."""
+
+    name: str  # embed, block or head
+    graphdef: Any
+    params: Any
+    streams: Any
+
+    @classmethod
+    def of(cls, name, piece_class, config, hooks):
+        def split():
+            return nnx.split(build(piece_class, config, hooks, jax.random.key(0)), nnx.Param, ...)
+
+        return cls(name, *jax.eval_shape(split))
+
+
+def seeded(streams, rng):
+    """Dropout streams' state seeded from rng, each stream its own key (nnx.reseed, as data)."""
+    rng, count = jax.random.key(0) if rng is None else rng, itertools.count()
+
+    def seed(s):  # a stream's key, or its count
+        is_key = jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key)
+        return jax.random.fold_in(rng, next(count)) if is_key else jnp.zeros(s.shape, s.dtype)
+
+    return jax.tree.map(seed, streams)
+
+
+def merge(piece: PieceDef, params, rng=None):
+    """The piece as a module holding `params` (a dict, nnx.State's pure form), dropout from rng."""
+    return nnx.merge(piece.graphdef, params, seeded(piece.streams, rng))
+
+
+def run_piece(piece: PieceDef, params, x, rng=None):
+    """A piece on x given its parameters; dropout with a key (rng), none without."""
+    return merge(piece, params, rng)(x, rng is None)
+
+
+def unwrapped(run):
+    return run  # the default: each piece run as it is
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """The pieces put together as a function of the parameters, each merged with its own as it
+    runs, through `wrap` (fsdp.py gathers them first): TrainState.apply_fn."""
 
     config: TrainingConfig
     pieces: Pieces = GPT
-    wrap: Callable[[type], type] = unwrapped
+    wrap: Callable[[Callable], Callable] = unwrapped  # run_piece -> the same, wrapped
     hooks: Hooks = Hooks()
 
-    @nn.compact
-    def __call__(self, tokens, deterministic: bool = True):
-        c, (embed, block, head, _), hooks = self.config, self.pieces, self.hooks
-        x = self.wrap(embed)(c, hooks, name="embed")(tokens, deterministic)
-        block = self.wrap(block)
+    @functools.cached_property
+    def defs(self) -> dict:
+        pieces = zip(("embed", "block", "head"), self.pieces[:3], strict=True)
+        return {name: PieceDef.of(name, p, self.config, self.hooks) for name, p in pieces}
+
+    def __call__(self, params, tokens, rng=None):
+        c, defs, run = self.config, self.defs, self.wrap(run_piece)
+        key = lambda i: None if rng is None else jax.random.fold_in(rng, i)  # noqa: E731
+        x = run(defs["embed"], params["embed"], tokens, key(0))
+        block = functools.partial(run, defs["block"])
         if c.remat:  # keep only each block's input; the backward pass runs the block again
-            block = nn.remat(block, static_argnums=(2,))
-        if c.scan_layers:
-            blocks = nn.scan(
-                block,
-                variable_axes={"params": 0},
-                split_rngs={"params": True, "dropout": True},
-                in_axes=nn.broadcast,
-                length=c.layers,
-                metadata_params={nn.PARTITION_NAME: "layers"},
-            )
-            x, stats = blocks(c, hooks, name="blocks")(x, deterministic)
+            block = jax.checkpoint(block)
+        if c.scan_layers:  # one block compiled, run over the blocks' stacked parameters
+            step = lambda x, layer: block(layer[0], x, key(layer[1] + 1))  # noqa: E731
+            x, stats = jax.lax.scan(step, x, (params["blocks"], jnp.arange(c.layers)))
             stats = jax.tree.map(lambda s: s.sum(0), stats)
         else:
             stats = None
             for i in range(c.layers):
-                x, more = block(c, hooks, name=f"block_{i}")(x, deterministic)
+                x, more = block(params[f"block_{i}"], x, key(i + 1))
                 stats = more if stats is None else jax.tree.map(jnp.add, stats, more)
-        head = self.wrap(head)
+        head = params["head"]
         if self.pieces.tied:  # the embedding's tables, read by the head as its own
             # A barrier ties it to the head's input, so the compiler cannot merge the head's use
             # with the lookup's: under fsdp.py each use gathers the table, not one kept all step.
-            embedding, x = jax.lax.optimization_barrier((self.variables["params"]["embed"], x))
-            tied, new = self.pieces.tied, self.is_initializing()
-            read = lambda own: {"params": with_tied(own.get("params", {}), embedding, tied)}  # noqa: E731
-            kept = lambda own: {"params": without_tied(own.get("params", {}), tied)}  # noqa: E731
-            head = nn.map_variables(head, "params", read, kept, init=new, mutable=new)
-        return head(c, hooks, name="head")(x, deterministic), stats or {}
+            embedding, x = jax.lax.optimization_barrier((params["embed"], x))
+            head = with_tied(head, embedding, self.pieces.tied)
+        return run(defs["head"], head, x, key(c.layers + 1)), stats or {}
 
 
 def init_params(model: Model, rng):
-    """The parameters, boxed with their axis names; made block by block, then stacked if scanned."""
-    config = model.config
-    unscanned = Model(dataclasses.replace(config, scan_layers=False), model.pieces)
-    params = unscanned.init(rng, jnp.zeros((1, config.seq_len), jnp.int32))["params"]
-    if config.scan_layers:
-        blocks = [params.pop(f"block_{i}") for i in range(config.layers)]
+    """The parameters as nested dicts (nnx.State's pure form), each piece's from its own key."""
+    c, keys = model.config, jax.random.split(rng, model.config.layers + 2)
 
-        def stack(*boxes):
-            names = ("layers",) + boxes[0].names
-            return boxes[0].replace(value=jnp.stack([b.value for b in boxes]), names=names)
+    def made(piece_class, key):  # built with the default hooks: a strategy's run inside its step
+        return nnx.to_pure_dict(nnx.state(build(piece_class, c, Hooks(), key), nnx.Param))
 
-        params["blocks"] = jax.tree.map(
-            stack, *blocks, is_leaf=lambda x: isinstance(x, nn.Partitioned)
-        )
+    params = {"embed": made(model.pieces.Embed, keys[0])}
+    params.update({f"block_{i}": made(model.pieces.Block, keys[i + 1]) for i in range(c.layers)})
+    params["head"] = without_tied(made(model.pieces.Head, keys[-1]), model.pieces.tied)
+    if c.scan_layers:
+        blocks = [params.pop(f"block_{i}") for i in range(c.layers)]
+        params["blocks"] = jax.tree.map(lambda *b: jnp.stack(b), *blocks)
     return params
 
 
-def from_nnx(module_class: type) -> type:
-    """A Flax NNX module (built as module_class(config, hooks, rngs=rngs), its parameters named
-    with nnx.with_partitioning) as a linen Piece that stores its parameters as linen does, so
-    every script trains it as a linen model (model_pieces adapts a model file's NNX pieces)."""
-    from flax import nnx
+def from_linen(module_class: type, tokens: bool) -> Callable:
+    """A linen piece, module_class(config, hooks), as an NNX one (nnx.bridge): its parameters
+    made by running it once on tokens (or activations), at linen's paths, their axes named."""
 
-    def build(piece, rngs):
-        with nnx.use_eager_sharding(False):  # no mesh here: the scripts lay the parameters out
-            return module_class(piece.config, piece.hooks, rngs=rngs)
+    def piece(config, hooks, *, rngs):
+        adapted = bridge.ToNNX(module_class(config, Hooks()), rngs=rngs)  # no strategy's hooks
+        shape = (1, config.seq_len) + (() if tokens else (config.d_model,))
+        adapted.lazy_init(jnp.zeros(shape, jnp.int32 if tokens else config.dtype), True)
+        adapted.to_nnx__module = module_class(config, hooks)
+        return adapted
 
-    class Adapted(Piece):
-        @nn.compact
-        def __call__(self, x, deterministic):
-            if self.is_initializing():
-                rngs = nnx.Rngs(params=self.make_rng("params"), dropout=0)
-                module = build(self, rngs)
-                for name, value in _linen_params(nnx.state(module, nnx.Param)).items():
-                    self.put_variable("params", name, value)
-            else:  # the module's shapes alone (nothing computed), then the parameters it is given
-                split = lambda: nnx.split(build(self, nnx.Rngs(params=0, dropout=0)))  # noqa: E731
-                module = nnx.merge(*jax.eval_shape(split))
-                params = nn.unbox(flax.core.unfreeze(self.variables.get("params", {})))
-                nnx.update(module, nnx.State(params))
-            dropout = self.make_rng("dropout") if self.has_rng("dropout") else jax.random.key(0)
-            nnx.reseed(module, dropout=dropout)
-            return module(x, deterministic)
-
-    Adapted.__name__ = Adapted.__qualname__ = module_class.__name__
-    Adapted.nnx_module = module_class  # what it adapts: its layers are NNX's, not linen's
-    return Adapted
-
-
-def _linen_params(state) -> dict:
-    """An NNX module's parameters as nested dicts, boxed with the axis names NNX gave them."""
-    from flax import nnx
-
-    params = {}
-    for path, variable in nnx.to_flat_state(state):
-        # 'out_sharding' since Flax 0.12; 'sharding_names' and 'sharding' before
-        metadata, value = variable.get_metadata(), variable.get_value()
-        names = [metadata.get(k) for k in ("out_sharding", "sharding_names", "sharding")]
-        names = next((tuple(n) for n in names if n), None)
-        box = nn.LogicallyPartitioned(value, names=names) if names else value
-        params[tuple(map(str, path))] = box
-    return unflatten_dict(params)
+    return piece
 
 
 # ----------------------------------------------------------------------------------------------
@@ -456,6 +444,8 @@ def _linen_params(state) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 
+# Plain pytrees that jit and shard_map take (an nnx.Optimizer they would split and merge): the
+# parameters as nested dicts (nnx.State's pure form, named by path), the Model as apply_fn.
 class TrainState(train_state.TrainState):
     rng: jax.Array  # base dropout key; step k uses fold_in(rng, k), so no key is ever carried
 
@@ -474,12 +464,10 @@ def decay_mask(params):
 ADAM = {"b1": 0.9, "b2": 0.95, "eps": 1e-8}  # AdamW's moment decays and its denominator's epsilon
 
 
-# Cached, one optimizer per config: the optimizer is part of the TrainState's tree structure,
-# and shardings worked out on an abstract state must fit the real state.
+# Cached: the optimizer is in the TrainState's tree structure, where an abstract state's must fit.
 @functools.cache
 def make_optimizer(config: TrainingConfig):
-    """AdamW, its rate warmed up linearly, then down a cosine to a tenth; elementwise, so fsdp.py
-    updates each device's shard on its own."""
+    """AdamW, warmed up linearly, then down a cosine to a tenth; elementwise (fsdp.py's shards)."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=config.lr,
@@ -491,13 +479,7 @@ def make_optimizer(config: TrainingConfig):
     if not config.router_bias_rate:
         return adamw
     # A mixture's balance bias moves by its own rule: by the rate, against its entry's sign.
-    balance = optax.GradientTransformation(
-        lambda params: optax.EmptyState(),
-        lambda load, state, params=None: (
-            jax.tree.map(lambda x: -config.router_bias_rate * jnp.sign(x), load),
-            state,
-        ),
-    )
+    balance = optax.chain(optax.scale_by_sign(), optax.scale(-config.router_bias_rate))
     return optax.multi_transform({"learned": adamw, "balance": balance}, balance_labels)
 
 
@@ -518,11 +500,28 @@ def learned(grads):
     )
 
 
-def create_state(config: TrainingConfig, model: Model, hold: Callable = nn.unbox) -> TrainState:
+def create_state(config: TrainingConfig, model: Model, hold: Callable = lambda p: p) -> TrainState:
     """The initial TrainState, its parameters as `hold` makes them (fsdp.py boxes its shards)."""
     init_rng, dropout_rng = jax.random.split(jax.random.key(config.seed))
     params, tx = hold(init_params(model, init_rng)), make_optimizer(config)
-    return TrainState.create(apply_fn=model.apply, params=params, tx=tx, rng=dropout_rng)
+    return TrainState.create(apply_fn=model, params=params, tx=tx, rng=dropout_rng)
+
+
+def unbox(tree):
+    """The arrays of a tree some of whose leaves are boxed in nnx.Variables (fsdp.py's shards)."""
+    is_box = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
+    return jax.tree.map(lambda x: x.get_value() if is_box(x) else x, tree, is_leaf=is_box)
+
+
+def named(config: TrainingConfig) -> Callable:
+    """create_state's `hold`: each parameter an nnx.Param, its out_sharding its axes' names."""
+    names = dict(logical_names(config))
+
+    def box(path, x):
+        path = jax.tree_util.keystr(path, simple=True, separator="/")
+        return nnx.Param(x, out_sharding=names[path].names, eager_sharding=False)
+
+    return lambda params: jax.tree_util.tree_map_with_path(box, params)
 
 
 def model_shapes(config: TrainingConfig):
@@ -531,8 +530,7 @@ def model_shapes(config: TrainingConfig):
 
 
 def clip(grads, norm, max_norm: float):
-    """Scale the gradient down to max_norm when its norm is larger (0: never), as
-    optax.clip_by_global_norm does; the norm is the script's, which knows where the pieces are."""
+    """optax.clip_by_global_norm (0: never) with the norm the script's, knowing its pieces."""
     if not max_norm:
         return grads
     return jax.tree.map(
@@ -541,21 +539,18 @@ def clip(grads, norm, max_norm: float):
 
 
 def cross_entropy(logits, labels):
-    """-log softmax(logits)[label] at every position; the label's logit picked by a one-hot
-    product, so that a vocabulary split over devices (pjit_tp.py) sends sums, never logits."""
+    """-log softmax(logits)[label], the label's by a one-hot product: a split vocabulary sums."""
     one_hot = jax.nn.one_hot(labels, logits.shape[-1], dtype=logits.dtype)
     label_logits = jnp.sum(logits * one_hot, axis=-1)
     return jax.nn.logsumexp(logits, axis=-1) - label_logits
 
 
 def token_losses(params, apply_fn, tokens, rng=None):
-    """Next-token cross-entropy at every position and the blocks' sums; dropout given a key.
-    tokens: [rows, length + 1], or inputs and labels paired [rows, 2, length] (context_parallel)."""
+    """Next-token cross-entropy at every position and the blocks' sums; dropout given a key."""
     inputs, labels = (
         (tokens[:, 0], tokens[:, 1]) if tokens.ndim == 3 else (tokens[:, :-1], tokens[:, 1:])
     )
-    rngs = None if rng is None else {"dropout": rng}
-    logits, stats = apply_fn({"params": params}, inputs, deterministic=rng is None, rngs=rngs)
+    logits, stats = apply_fn(params, inputs, rng)
     return cross_entropy(logits, labels), stats
 
 
@@ -581,9 +576,8 @@ def eval_metrics(state: TrainState, tokens):
 
 
 def accumulate_gradients(state: TrainState, batch, rng, microbatches: int):
-    """Gradient of the mean loss over `batch` and summed metrics, in `microbatches` pieces run
-    one after another (lax.scan: one piece's activations); piece i takes rows i, i + m, ...,
-    spread over all the devices that hold the batch, so none moves data to form it."""
+    """Gradient of the mean loss and summed metrics, `microbatches` pieces one after another
+    (lax.scan); piece i takes rows i, i + m, ..., which every device holding the batch has."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def piece_grads(tokens, i):
@@ -622,40 +616,33 @@ def capacity(config: TrainingConfig, length: int) -> int:
 GROUPED = jax.lax.RaggedDotDimensionNumbers((((2,), (1,)), ((), ())), (1,), (0,))
 
 
-class ExpertDense(nn.Module):
-    """A Dense layer per expert: slots [experts, ..., in] -> [experts, ..., features], or given
+class ExpertDense(nnx.Module):
+    """A Linear layer per expert: slots [experts, ..., in] -> [experts, ..., features], or given
     group_sizes (dropless), x [rows, slots, in] grouped by expert -> one grouped matmul."""
 
-    config: TrainingConfig
-    features: int
-    names: tuple  # the logical names of one expert's kernel
-    scale: float = 1.0
-    dot_general: Callable | None = None  # as nn.Dense's: lax.dot_general unless one is given
-    ragged_dot: Callable | None = None  # the same for groups: lax.ragged_dot_general
+    def __init__(self, config, features_in, features, names, scale=1.0, *, rngs: nnx.Rngs):
+        shape, self.dtype = (config.experts, features_in, features), config.dtype
+        kernel = nnx.initializers.normal(0.02 * scale)(rngs.params(), shape)
+        self.kernel = nnx.Param(kernel, out_sharding=("expert", *names))
+        self.bias = nnx.Param(jnp.zeros(shape[::2]), out_sharding=("expert", names[-1]))
+        self.dot_general = jax.lax.dot_general  # as nnx.Linear's, which a script may replace
+        self.ragged_dot = jax.lax.ragged_dot_general  # the same for groups
 
-    @nn.compact
     def __call__(self, x, group_sizes=None):
-        # As many experts as x (or group_sizes) brings: all, or a device's own (expert_parallel)
-        experts = x.shape[0] if group_sizes is None else group_sizes.shape[-1]
-        init = _init(("expert", *self.names), self.scale)
-        kernel = self.param("kernel", init, (experts, x.shape[-1], self.features))
-        bias = self.param("bias", _zeros(("expert", self.names[-1])), (experts, self.features))
-        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.config.dtype)
+        # As many experts as it holds: all, or a device's own (expert_parallel.py)
+        x, kernel, bias = (t.astype(self.dtype) for t in (x, self.kernel[...], self.bias[...]))
         if group_sizes is not None:
-            ragged = self.ragged_dot or jax.lax.ragged_dot_general
             # Each slot's expert's bias, the same way: a slot of ones times the biases.
             ones = jnp.ones((*x.shape[:-1], 1), x.dtype)
-            biases = ragged(ones, bias[:, None], group_sizes, GROUPED)
-            return ragged(x, kernel, group_sizes, GROUPED) + biases
+            biases = self.ragged_dot(ones, bias[:, None], group_sizes, GROUPED)
+            return self.ragged_dot(x, kernel, group_sizes, GROUPED) + biases
         # Each expert's x [..., in] times its kernel [in, features]: the experts' axis a batch axis.
-        dims = (((x.ndim - 1,), (1,)), ((0,), (0,)))
-        y = (self.dot_general or jax.lax.dot_general)(x, kernel, dims)
+        y = self.dot_general(x, kernel, (((x.ndim - 1,), (1,)), ((0,), (0,))))
         return y + bias.reshape(bias.shape[0], *[1] * (x.ndim - 2), -1)
 
 
 def places_in_queue(choices):
-    """Each choice's place in its expert's queue per sequence, [rows, length, k] from one-hot
-    choices [rows, length, k, experts]: all first choices in order, then the second, ..."""
+    """Each one-hot choice's place in its expert's queue: first choices first, then seconds."""
     rows, length, k, experts = choices.shape
     queue = choices.swapaxes(1, 2).reshape(rows, k * length, experts)  # first choices first
     places = (jnp.cumsum(queue, axis=1) - 1).reshape(rows, k, length, experts).swapaxes(1, 2)
@@ -663,10 +650,8 @@ def places_in_queue(choices):
 
 
 def grouped_by_expert(fc1, fc2, experts, x, expert, gate, shard=0, shards=1):
-    """Dropless: every token of x [rows, length, d] through its experts (expert [rows, length,
-    k]), weighted by gate and summed; only part `shard` of `shards` of the experts runs here
-    (expert_parallel.py). The choices are sorted by expert, so each expert's tokens sit side by
-    side, and run as two grouped matmuls: no slot is ever empty."""
+    """Dropless: each token through its experts (part `shard` of `shards` of them here), sorted
+    by expert so that each expert's tokens sit side by side: two grouped matmuls, no slot empty."""
     rows, length, k = expert.shape
     experts = experts // shards
     expert = expert - shard * experts  # numbered from 0 among those here
@@ -675,7 +660,7 @@ def grouped_by_expert(fc1, fc2, experts, x, expert, gate, shard=0, shards=1):
     order = jnp.argsort(key, axis=-1, stable=True)  # each row's choices, grouped by expert
     group_sizes = jax.nn.one_hot(key, experts, dtype=jnp.int32).sum(1)  # [rows, experts]
     slots = jnp.take_along_axis(x, order[..., None] // k, axis=1)  # [rows, length x k, d]
-    out = fc2(nn.gelu(fc1(slots, group_sizes)), group_sizes)
+    out = fc2(jax.nn.gelu(fc1(slots, group_sizes)), group_sizes)
     back = jnp.take_along_axis(out, jnp.argsort(order, axis=-1)[..., None], axis=1)
     weights = jnp.where(elsewhere, 0, gate).astype(back.dtype)
     return jnp.einsum("blkd,blk->bld", back.reshape(rows, length, k, -1), weights)
@@ -683,9 +668,8 @@ def grouped_by_expert(fc1, fc2, experts, x, expert, gate, shard=0, shards=1):
 
 @jax.custom_vjp
 def load_of(bias, load):
-    """Balance without a loss (DeepSeek-V3): 0 added to the loss, whose derivative for the bias
-    is `load`, each expert's tokens over its share. Averaged like any gradient, it arrives as the
-    step's excess share wherever the bias is; the optimizer moves the bias against its sign."""
+    """Balance without a loss (DeepSeek-V3): 0 added to the loss, its derivative for the bias
+    `load`, each expert's excess tokens; the optimizer moves the bias against its sign."""
     return jnp.zeros((), load.dtype)
 
 
@@ -695,44 +679,45 @@ load_of.defvjp(
 )
 
 
-class MoeMlp(nn.Module):
-    """A mixture of --experts MLPs: a router sends each token to its --top-k experts, whose
-    outputs, weighted by its probabilities, are summed; --shared-experts take every token.
-    Dropless by default (grouped_by_expert); with a capacity (GShard), per whole sequence an
-    expert takes at most `capacity` tokens, through one-hot dispatch into its slots."""
+class MoeMlp(nnx.Module):
+    """--experts MLPs, each token through its --top-k weighted by its router's probabilities (and
+    --shared-experts): dropless (grouped_by_expert), or one-hot into `capacity` slots (GShard)."""
 
-    config: TrainingConfig
-    hooks: Hooks = Hooks()
+    def __init__(self, config: TrainingConfig, hooks: Hooks, *, rngs: nnx.Rngs):
+        c, self.config, self.hooks = config, config, hooks
+        # The router works in float32: which expert a token goes to must not hang on rounding.
+        init = _init(("embed", None))
+        self.router = nnx.Linear(
+            c.d_model, c.experts, use_bias=False, dtype=jnp.float32, kernel_init=init, rngs=rngs
+        )
+        if c.router_bias_rate:  # a balance bias (load_of) chooses the experts, but weighs none
+            self.router_bias = nnx.Param(jnp.zeros(c.experts), out_sharding=(None,))
+        units = c.mlp_dim or 4 * c.d_model  # each expert as wide as the dense MLP
+        self.fc1 = ExpertDense(c, c.d_model, units, ("embed", "mlp"), rngs=rngs)
+        scale = _residual_scale(c)
+        self.fc2 = ExpertDense(c, units, c.d_model, ("mlp", "embed"), scale, rngs=rngs)
+        if c.shared_experts:  # every token's: one MLP as wide as all of them (DeepSeek-V2)
+            self.shared = Mlp(c, c.shared_experts, rngs=rngs)
+        self.dropout = nnx.Dropout(c.dropout, rngs=rngs)
 
-    @nn.compact
     def __call__(self, x, deterministic):
         c = self.config
         rows, length, _ = x.shape
-        # The router works in float32: which expert a token goes to must not hang on rounding.
-        init = _init(("embed", None))
-        router = nn.Dense(
-            c.experts, use_bias=False, dtype=jnp.float32, kernel_init=init, name="router"
-        )
-        probs = jax.nn.softmax(router(x.astype(jnp.float32)))  # [rows, length, experts]
-        scores = probs
-        if c.router_bias_rate:  # a balance bias (load_of) chooses the experts, but weighs none
-            bias = self.param("router_bias", _zeros((None,)), (c.experts,))
-            scores = probs + bias
+        probs = jax.nn.softmax(self.router(x.astype(jnp.float32)))  # [rows, length, experts]
+        scores = probs + self.router_bias[...] if c.router_bias_rate else probs
         expert = jax.lax.top_k(scores, c.top_k)[1]  # [rows, length, k]
         gate = jnp.take_along_axis(probs, expert, -1)  # their weights: their probabilities
         if c.top_k > 1:  # renormalised over the k (Mixtral); one expert's, as Switch, is not:
             gate = gate / gate.sum(-1, keepdims=True)  # 1 always, the router would not learn
         chosen = jax.nn.one_hot(expert, c.experts)  # [rows, length, k, experts]
-        fc1 = ExpertDense(c, c.mlp_dim or 4 * c.d_model, ("embed", "mlp"), name="fc1")
-        fc2 = ExpertDense(c, c.d_model, ("mlp", "embed"), _residual_scale(c), name="fc2")
         if c.capacity_factor:
-            out, per_expert = self.with_capacity(x, chosen, gate, fc1, fc2)
+            out, per_expert = self.with_capacity(x, chosen, gate)
         else:
-            mixture = functools.partial(grouped_by_expert, fc1, fc2, c.experts)
+            mixture = functools.partial(grouped_by_expert, self.fc1, self.fc2, c.experts)
             out = self.hooks.dropless(mixture, x, expert, gate)
             per_expert = chosen.sum((0, 1, 2))
-        if c.shared_experts:  # every token's: one MLP as wide as all of them (DeepSeek-V2)
-            out = out + Mlp(c, c.shared_experts, name="shared")(x, deterministic=True)
+        if c.shared_experts:
+            out = out + self.shared(x, deterministic=True)
         # Load balance (Switch Transformer, eq. 4, per sequence): experts x sum over experts of
         # (share of the sequence's choices it got) x (its mean router probability); 1 when even.
         # Counted once per token, so that it adds up like the cross-entropy.
@@ -744,16 +729,16 @@ class MoeMlp(nn.Module):
         aux_loss_sum = c.router_aux_weight * length * balance.sum()
         if c.router_bias_rate:  # the bias's entry in the gradient: its experts' excess load
             load = chosen.sum((0, 1, 2)) / c.top_k - rows * length / c.experts
-            aux_loss_sum = aux_loss_sum + load_of(bias, load)
+            aux_loss_sum = aux_loss_sum + load_of(self.router_bias[...], load)
         dropped = rows * length * c.top_k - per_expert.sum()
         stats = {
             "aux_loss_sum": aux_loss_sum,
             "expert_tokens": per_expert,
             "dropped_tokens": dropped,
         }
-        return nn.Dropout(c.dropout)(out, deterministic=deterministic), stats
+        return self.dropout(out, deterministic=deterministic), stats
 
-    def with_capacity(self, x, chosen, gate, fc1, fc2):
+    def with_capacity(self, x, chosen, gate):
         """The tokens each expert has room for, through it (dispatch, combine); the tokens taken."""
         # Every token's choices of the whole sequence, in sequence order: where this device's
         # tokens are in it (positions), and the others' from them (whole_sequence).
@@ -767,7 +752,7 @@ class MoeMlp(nn.Module):
         dispatch = jnp.einsum("blke,blks->bles", chosen, slot)
         combine = jnp.einsum("blke,blks->bles", chosen * gate[..., None], slot)
         tokens = jnp.einsum("bles,bld->ebsd", dispatch.astype(x.dtype), x)
-        out = self.hooks.to_experts(lambda t: fc2(nn.gelu(fc1(t))), tokens)
+        out = self.hooks.to_experts(lambda t: self.fc2(jax.nn.gelu(self.fc1(t))), tokens)
         return jnp.einsum("ebsd,bles->bld", out, combine.astype(out.dtype)), dispatch.sum((0, 1, 3))
 
 
@@ -800,9 +785,8 @@ SPLITS = {"train": 0, "eval": 1}  # each split draws from its own random streams
 
 
 class SyntheticData:
-    """A sparse random Markov chain over `vocab` tokens, fixed by its own seed: each token has
-    `branching` successors with random probabilities. The best loss is its entropy rate,
-    sum_s pi(s) H(next | s); sequences start from pi, so every position can reach it."""
+    """A sparse random Markov chain, fixed by its own seed, `branching` successors per token; its
+    entropy rate sum_s pi(s) H(next | s) the best loss (sequences start from pi)."""
 
     def __init__(self, seed: int, seq_len: int, vocab=256, branching=4, source_seed=1234):
         self.seed, self.seq_len, self.vocab = seed, seq_len, vocab
@@ -856,10 +840,8 @@ class SyntheticData:
         streams = [np.random.PCG64((self.seed, SPLITS[split], step, r)) for r in range(start, stop)]
         k = np.stack([s.random_raw(self.seq_len + 1) >> 11 for s in streams]).astype(np.int64)
         first = np.minimum(np.searchsorted(self.stationary, k[:, 0] * 2.0**-53), self.vocab - 1)
-        # Then token t + 1 is successors[s, j] for the first j with u[t + 1] <= cumulative[s, j], s
-        # token t: one compiled loop (8 x 1,024 tokens: 9.3 -> 0.6 ms in Python), in exact
-        # integers (u > c exactly when k > floor(c * 2**53)) halved into 32 bits, so JAX needs no
-        # 64-bit types: the tokens are numpy's, bit for bit.
+        # Then token t + 1 is successors[s, j] for the first j with u[t + 1] <= cumulative[s, j]:
+        # compiled (9.3 -> 0.6 ms), in exact integers halved into 32 bits, numpy's bit for bit.
         if self.walk_tables is None:  # made here, not in __init__: devices may not be started then
             bounds = np.floor(self.cumulative * 2.0**53).astype(np.int64)
             tables = (*_halves(bounds), self.successors.astype(np.int32))
@@ -950,8 +932,12 @@ def _model_pieces(name: str) -> Pieces:
     pieces = [getattr(module, piece, None) for piece in Pieces._fields[:3]]
     missing = [n for n, p in zip(Pieces._fields, pieces, strict=False) if not isinstance(p, type)]
     require(not missing, "model", f"{name} defines no {', '.join(missing)}, e.g. --model gpt")
-    nnx = sys.modules.get("flax.nnx")  # imported by a model file that uses it
-    pieces = [from_nnx(p) if nnx and issubclass(p, nnx.Module) else p for p in pieces]
+    linen = sys.modules.get("flax.linen")  # imported by a model file that uses it
+    for field, piece in zip(Pieces._fields, pieces, strict=False):
+        ok = issubclass(piece, nnx.Module) or bool(linen) and issubclass(piece, linen.Module)
+        require(ok, "model", f"{name}: {field} is no nnx.Module: subclass it (model contract)")
+    if not issubclass(pieces[0], nnx.Module):  # linen's, all three
+        pieces = [from_linen(p, p is pieces[0]) for p in pieces]
     return Pieces(*pieces, getattr(module, "TIED", ()))
 
 
@@ -1002,12 +988,26 @@ def make_model(config: TrainingConfig, wrap: Callable = unwrapped, hooks: Hooks 
     return Model(config, model_pieces(config), wrap, hooks)
 
 
+class Axes(typing.NamedTuple):
+    value: Any  # the parameter's shape and dtype
+    names: tuple  # its axes' logical names (None: unnamed)
+
+
 def logical_names(config: TrainingConfig) -> list:
-    """(path, box) of every parameter, its box holding the logical names of its axes."""
-    boxed = jax.eval_shape(lambda: init_params(make_model(config), jax.random.key(0)))
-    is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)  # noqa: E731
-    leaves = jax.tree_util.tree_leaves_with_path(boxed, is_leaf=is_box)
-    return [(jax.tree_util.keystr(path, simple=True, separator="/"), box) for path, box in leaves]
+    """(path, Axes) of every parameter as the state holds it: blocks scanned on a 'layers' axis."""
+    model, found = make_model(config), []
+    names = {
+        (piece, *map(str, path)): v.get_metadata().get("out_sharding")
+        for piece, made in model.defs.items()
+        for path, v in nnx.to_flat_state(made.params)
+    }
+    shapes = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
+    for path, x in flatten_dict(shapes).items():
+        scanned = path[0] == "blocks"  # [layers, ...]
+        axes = names["block" if path[0].startswith("block") else path[0], *path[1:]]
+        axes = ("layers",) * scanned + tuple(axes or (None,) * (x.ndim - scanned))
+        found.append(("/".join(path), Axes(x, axes)))
+    return found
 
 
 def is_yours(dataset: str) -> bool:
@@ -1157,7 +1157,7 @@ PEAK_FLOPS = (
 
 def flops_per_token(config: TrainingConfig, params) -> int:
     """Training FLOPs per token: 6 per matmul parameter (forward 2, backward 4) and the attention's
-    6 * 2 * layers * seq_len * d_model (PaLM, appendix B). Embedding tables (nn.Embed's
+    6 * 2 * layers * seq_len * d_model (PaLM, appendix B). Embedding tables (nnx.Embed's
     'embedding') are lookups, left out; of the experts (an axis 'expert') a token uses top-k."""
     leaves = jax.tree_util.tree_leaves_with_path(params)
     tables = sum(x.size for path, x in leaves if getattr(path[-1], "key", None) == "embedding")
@@ -1324,14 +1324,14 @@ def cost_report(config: TrainingConfig, state, compiled, compile_seconds: float)
     """What the strategy costs, from the real arrays (state bytes on this process's first
     device) and the compiled step (memory, collectives); before the first step donates them."""
     device, full, memory = jax.local_devices()[0], model_shapes(config), compiled.memory_analysis()
-    leaves = jax.tree.leaves(nn.unbox((state.params, state.opt_state)))
+    leaves = jax.tree.leaves(unbox((state.params, state.opt_state)))
     collectives = {op: {"count": 0, "bytes": 0, "wire_bytes": 0.0} for op in COLLECTIVES}
     for found in hlo_collectives(compiled.as_text()):
         counted, runs = collectives[found["op"]], found["runs"]
         counted["count"] += runs
         counted["bytes"] += runs * found["bytes"]
         counted["wire_bytes"] += runs * WIRE[found["op"]](found["group"]) * found["bytes"]
-    params = nn.unbox(full.params)
+    params = unbox(full.params)
     # The compiled step's matmul FLOPs against the model's for its share of the tokens: above 1,
     # what the strategy recomputes (--remat, a pipeline's backward) or computes on every device.
     step_flops, per_token = hlo_flops(compiled.as_text()), flops_per_token(config, params)
@@ -1343,7 +1343,7 @@ def cost_report(config: TrainingConfig, state, compiled, compile_seconds: float)
         "step_flops": step_flops,
         "step_flops_over_model": step_flops / model_flops,
         "state_bytes_total": sum(
-            map(nbytes, jax.tree.leaves(nn.unbox((full.params, full.opt_state))))
+            map(nbytes, jax.tree.leaves(unbox((full.params, full.opt_state))))
         ),
         "state_bytes_per_device": sum(bytes_on_device(x, device) for x in leaves),
         "compile_seconds": compile_seconds,
@@ -1356,7 +1356,7 @@ def cost_report(config: TrainingConfig, state, compiled, compile_seconds: float)
 def show_sharding(params):
     """Print each parameter's path, shape, PartitionSpec and bytes per device, then draw the
     layout of the largest matrix the strategy splits (or the largest), the first of equals."""
-    device, leaves = jax.local_devices()[0], jax.tree_util.tree_leaves_with_path(nn.unbox(params))
+    device, leaves = jax.local_devices()[0], jax.tree_util.tree_leaves_with_path(unbox(params))
     named = [(jax.tree_util.keystr(path, simple=True, separator="/"), x) for path, x in leaves]
     spec = lambda x: str(getattr(x.sharding, "spec", x.sharding))  # noqa: E731 (pmap's has none)
     rows = [("parameter", "shape", "spec", "bytes/device")] + [
@@ -1723,7 +1723,7 @@ def check_checkpoint(config: Config):
         same = flags.get(name, getattr(config, name)) == getattr(config, name)
         text = f"{getattr(config, name)} differs from {flags.get(name)} in {where}"
         require(same, name, f"{text}, e.g. {flag(name)} {flags.get(name)}")
-    fresh = jax.eval_shape(lambda: nn.unbox(init_params(make_model(config), jax.random.key(0))))
+    fresh = jax.eval_shape(lambda: unbox(init_params(make_model(config), jax.random.key(0))))
     shapes = [
         {jax.tree_util.keystr(p, simple=True, separator="/"): x.shape for p, x in leaves}
         for leaves in map(jax.tree_util.tree_leaves_with_path, (saved, fresh))

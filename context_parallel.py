@@ -114,9 +114,9 @@ class Config(common.Config):
             return q
 
         model = common.Model(self, common.model_pieces(self), hooks=common.Hooks(attend=attend))
-        tokens = jax.ShapeDtypeStruct((1, self.seq_len), jnp.int32)
-        jax.eval_shape(lambda tokens: model.init(jax.random.key(0), tokens), tokens)
-        common.require(called, "model", "never calls self.attend(q, k, v), which this replaces")
+        params = jax.eval_shape(lambda: common.init_params(model, jax.random.key(0)))
+        jax.eval_shape(model, params, jax.ShapeDtypeStruct((1, self.seq_len), jnp.int32))
+        common.require(called, "model", "never calls hooks.attend(q, k, v), which this replaces")
 
 
 def make_mesh(config):

@@ -49,7 +49,8 @@ import optax
 
 import common
 
-import flax.linen as nn
+from flax import nnx
+from flax.nnx import bridge
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.sharding import reshard
@@ -206,75 +207,88 @@ def gather_for_use(params, batch_axes):
     return jax.tree.map(gather, params)
 
 
-def say_where_sums_land(next_fun, args, kwargs, context):
-    """The three places where explicit mode will not guess a layout, stated (a Flax interceptor:
-    it sees every layer's call in the piece, and passes the others on untouched).
+def state_layouts(module, sequence):
+    """The three places where explicit mode will not guess a layout, stated layer by layer in
+    a piece made for one call (nnx.merge), whatever the model's layers.
 
-    A lookup into an embedding table (a gather) states its result's layout: rows split as the
-    tokens are, features as the table's (explicit mode asks for it even when the table is whole).
     A matmul whose contracted axis is split on both sides, over the same mesh axes (the
     row-parallel layers, attn/out and fc2: each device holds part of the sum): out_sharding says
     the partial sums are added up (an all-reduce over 'model') into a result split as the input's
-    other axes and the kernel's outputs are. nn.Dense and the layers made like it (a
-    `dot_general` attribute, as common.ExpertDense) take their matmul with that out_sharding. A
-    grouped matmul (common.ExpertDense given groups: dropless experts) always states its own.
-    A dropout mask for a split activation is drawn split the same way (dropout, below)."""
-    return where_sums_land(next_fun, args, kwargs, context, sequence=None)
+    other axes and the kernel's outputs are. nnx.Linear and the layers made like it (a
+    `dot_general` attribute, as common.ExpertDense) take their matmul from `matmul`. A grouped
+    matmul (common.ExpertDense given groups: dropless experts) always states its own.
+    A lookup into an embedding table (a gather) states its result's layout: rows split as the
+    tokens are, features as the table's (explicit mode asks for it even when the table is whole).
+    (nnx.Dropout draws its mask split as its input is, the same bits as on one device.)
+
+    With `sequence` (the mesh axis of --rules tp_sp: Megatron's sequence parallelism) the
+    sequence is split between the matmuls: a matmul's input [rows, length, features] is gathered
+    whole along the sequence (an all-gather; its transpose, a reduce-scatter of the gradient),
+    and a row-parallel matmul's partial sums are added up straight into sequence pieces (a
+    reduce-scatter in place of the all-reduce). A mixture of experts routes whole sequences: its
+    input is gathered, its output split again."""
+    for path, layer in list(nnx.iter_modules(module)):
+        if hasattr(layer, "ragged_dot"):
+            layer.ragged_dot = grouped_matmul
+        if hasattr(layer, "dot_general"):
+            layer.dot_general = functools.partial(matmul, sequence=sequence)
+        if isinstance(layer, nnx.Embed):
+            replace(module, path, Lookup(layer, sequence))
+        if sequence and isinstance(layer, common.MoeMlp):
+            replace(module, path, WholeSequence(layer, sequence))
 
 
-def where_sums_land(next_fun, args, kwargs, context, sequence):
-    """say_where_sums_land, and with `sequence` (the mesh axis of --rules tp_sp: Megatron's
-    sequence parallelism) the sequence split between the matmuls: a matmul's input [rows,
-    length, features] is gathered whole along the sequence (an all-gather; its transpose, a
-    reduce-scatter of the gradient), and a row-parallel matmul's partial sums are added up
-    straight into sequence pieces (a reduce-scatter in place of the all-reduce). A mixture of
-    experts routes whole sequences: its input is gathered, its output split again."""
-    module = context.module
-    if sequence and context.method_name == "__call__" and isinstance(module, common.MoeMlp):
-        (x, *rest) = args
-        out, stats = next_fun(along_sequence(x, None), *rest, **kwargs)
-        return along_sequence(out, sequence), stats
-    if context.method_name == "__call__" and isinstance(module, nn.Embed):
-        (tokens,) = args
-        (table,) = module.promote_dtype(module.embedding, dtype=module.dtype, inexact=False)
+def replace(module, path, layer):
+    """Put `layer` at `path` in `module` in place of the one there."""
+    *parents, name = path
+    for key in parents:
+        module = module[key] if isinstance(key, int) else getattr(module, key)
+    if isinstance(name, int):
+        module[name] = layer
+    else:
+        setattr(module, name, layer)
+
+
+def matmul(x, kernel, dims, precision=None, out_sharding=None, sequence=None, **kwargs):
+    """lax.dot_general, its result's layout stated where its partial sums land (state_layouts)."""
+    x_spec, kernel_spec = jax.typeof(x).sharding.spec, jax.typeof(kernel).sharding.spec
+    contracted = axes_of(kernel_spec[-2])  # the kernel's input axis: [..., in, out]
+    in_sequence = sequence and x.ndim == 3  # [rows, length, features]
+    if contracted and contracted == axes_of(x_spec[-1]):
+        out_sharding = P(*x_spec[:-1], kernel_spec[-1])
+        if in_sequence:  # the sums land in sequence pieces: a reduce-scatter
+            out_sharding = P(x_spec[0], sequence, kernel_spec[-1])
+    elif in_sequence:  # a column-parallel matmul (or a whole one) takes the whole sequence
+        x = along_sequence(x, None)
+    return jax.lax.dot_general(x, kernel, dims, precision, out_sharding=out_sharding, **kwargs)
+
+
+class Lookup(nnx.Module):
+    """An nnx.Embed whose lookup states its result's layout (state_layouts)."""
+
+    def __init__(self, embed, sequence):
+        self.embed, self.sequence = embed, sequence
+
+    def __call__(self, tokens):
+        table = self.embed.embedding[...].astype(self.embed.dtype or jnp.float32)
         features, spec = jax.typeof(table).sharding.spec[-1], jax.typeof(tokens).sharding.spec
-        if sequence and tokens.ndim == 1:  # positions, [length]: their pieces of the table
-            return table.at[tokens].get(out_sharding=P(sequence, features))
+        if self.sequence and tokens.ndim == 1:  # positions, [length]: their pieces of the table
+            return table.at[tokens].get(out_sharding=P(self.sequence, features))
         looked_up = table.at[tokens].get(out_sharding=P(*spec, features))
-        if sequence and tokens.ndim == 2:  # the lookup's sums (a split table) into pieces
-            return reshard(looked_up, P(spec[0], sequence, features))
+        if self.sequence and tokens.ndim == 2:  # the lookup's sums (a split table) into pieces
+            return reshard(looked_up, P(spec[0], self.sequence, features))
         return looked_up
-    if context.method_name == "__call__" and isinstance(module, nn.Dropout):
-        return dropout(module, *args, **kwargs)
-    if (
-        context.method_name == "__call__"
-        and getattr(module, "ragged_dot", "") is None
-        and len(args) == 2
-    ):
-        return module.clone(parent=None, ragged_dot=grouped_matmul).apply(
-            {"params": module.variables["params"]}, *args
-        )
-    if (
-        context.method_name == "__call__"
-        and getattr(module, "dot_general", "") is None
-        and len(args) == 1
-    ):
-        (x,) = args
-        kernel = module.variables["params"]["kernel"]
-        x_spec, kernel_spec = jax.typeof(x).sharding.spec, jax.typeof(kernel).sharding.spec
-        contracted = axes_of(kernel_spec[-2])  # the kernel's input axis: [..., in, out]
-        in_sequence = sequence and x.ndim == 3  # [rows, length, features]
-        if contracted and contracted == axes_of(x_spec[-1]):
-            out = P(*x_spec[:-1], kernel_spec[-1])
-            if in_sequence:  # the sums land in sequence pieces: a reduce-scatter
-                out = P(x_spec[0], sequence, kernel_spec[-1])
-            matmul = functools.partial(jax.lax.dot_general, out_sharding=out)
-            return module.clone(parent=None, dot_general=matmul).apply(
-                {"params": module.variables["params"]}, x
-            )
-        if in_sequence:  # a column-parallel matmul (or a whole one) takes the whole sequence
-            return next_fun(along_sequence(x, None), **kwargs)
-    return next_fun(*args, **kwargs)
+
+
+class WholeSequence(nnx.Module):
+    """A mixture of experts given whole sequences, its output split along them again."""
+
+    def __init__(self, mixture, sequence):
+        self.mixture, self.sequence = mixture, sequence
+
+    def __call__(self, x, deterministic):
+        out, stats = self.mixture(along_sequence(x, None), deterministic)
+        return along_sequence(out, self.sequence), stats
 
 
 def along_sequence(x, sequence):
@@ -294,22 +308,6 @@ def grouped_matmul(x, kernel, group_sizes, dimensions):
     return jax.sharding.auto_axes(grouped, out_sharding=out)(x, kernel, group_sizes)
 
 
-def dropout(module, x, deterministic=None, rng=None):
-    """nn.Dropout, its mask drawn split as x is (out_sharding): the same bits as on one device,
-    each device drawing only its own part of them."""
-    if nn.merge_param("deterministic", module.deterministic, deterministic) or not module.rate:
-        return x
-    if module.rate == 1.0:  # as Flax: no division by zero, so no NaN in the gradient
-        return jnp.zeros_like(x)
-    keep = 1.0 - module.rate
-    shape, spec = list(x.shape), list(jax.typeof(x).sharding.spec)
-    for dim in module.broadcast_dims:  # one mask for every position along these
-        shape[dim], spec[dim] = 1, None
-    rng = module.make_rng(module.rng_collection) if rng is None else rng
-    mask = jax.random.bernoulli(rng, keep, shape, out_sharding=P(*spec))
-    return jax.lax.select(jnp.broadcast_to(mask, x.shape), x / keep, jnp.zeros_like(x))
-
-
 def attend_as_queries(q, k, v, attend):
     """Attention with its keys and values laid out as its queries are. Grouped-query attention
     makes them from fewer heads than the queries (tests/llama.py), which the 'model' split need
@@ -319,63 +317,50 @@ def attend_as_queries(q, k, v, attend):
     return attend(q, reshard(k, spec), reshard(v, spec))
 
 
-def laid_out_inside(piece, batch_axes):
-    """A Flax NNX piece (common.from_nnx): its layers are NNX's, out of sight of a linen
-    interceptor, so inside it the compiler lays out what explicit mode will not guess
-    (jax.sharding.auto_axes: Auto axes, as pjit_tp.py's), between explicit layouts at its edges:
-    its activations' rows split over the batch axes, what it reports whole."""
+def laid_out_inside(module, x, deterministic, batch_axes):
+    """A linen piece (flax.nnx.bridge): its layers out of sight of state_layouts, so inside it
+    the compiler lays out what explicit mode will not guess (jax.sharding.auto_axes: Auto axes,
+    as pjit_tp.py's), between explicit layouts at its edges: its activations' rows split over
+    the batch axes, what it reports whole."""
+    graphdef, state = nnx.split(module)
+    returns_pair = []
 
-    class Inside(common.Piece):
-        @nn.compact
-        def __call__(self, x, deterministic):
-            dropout = not deterministic and self.has_rng("dropout")
-            rngs = {"dropout": self.make_rng("dropout")} if dropout else {}
-            returns_pair = []
+    def run(state, x):
+        out = nnx.merge(graphdef, state)(x, deterministic)
+        returns_pair.append(isinstance(out, tuple))  # a block's (activations, sums)
+        return out if returns_pair[0] else (out, None)
 
-            def run(params, x, rngs):
-                out = piece(self.config, self.hooks).apply(
-                    {"params": params}, x, deterministic, rngs=rngs
-                )
-                returns_pair.append(isinstance(out, tuple))  # a block's (activations, sums)
-                return out if returns_pair[0] else (out, None)
-
-            laid_out = jax.sharding.auto_axes(run, out_sharding=(P(batch_axes), P()))
-            out = laid_out(self.variables["params"], x, rngs)
-            return out if returns_pair[0] else out[0]
-
-    return Inside
+    out = jax.sharding.auto_axes(run, out_sharding=(P(batch_axes), P()))(state, x)
+    return out if returns_pair[0] else out[0]
 
 
 def explicit_layout(batch_axes, sequence=None):
     """The `wrap` of the model contract (common.Model): each piece gathers its parameters for
-    use, and states the layouts explicit mode asks for, whatever the model's layers. With
-    `sequence` (--rules tp_sp), each piece takes its input split along the sequence over it."""
-    intercept = functools.partial(where_sums_land, sequence=sequence)
+    use, and states the layouts explicit mode asks for (state_layouts), whatever the model's
+    layers. With `sequence` (--rules tp_sp), each piece takes its input split along it."""
 
-    def wrap(piece):
-        gathered = functools.partial(gather_for_use, batch_axes=batch_axes)
-        if hasattr(piece, "nnx_module"):
-            return nn.map_variables(
-                laid_out_inside(piece, batch_axes), "params", trans_in_fn=gathered
-            )
+    def wrap(run):
+        def run_explicit(piece, params, x, rng):
+            module = common.merge(piece, gather_for_use(params, batch_axes), rng)
+            if any(isinstance(m, bridge.ToNNX) for _, m in nnx.iter_modules(module)):
+                return laid_out_inside(module, x, rng is None, batch_axes)
+            state_layouts(module, sequence)
+            if sequence and jnp.issubdtype(x.dtype, jnp.floating):  # the residual stream
+                # split along the sequence; the head's input gathered whole, for whatever
+                # contraction makes its logits (a tied table's is no nnx.Linear)
+                x = along_sequence(x, None if piece.name == "head" else sequence)
+            return module(x, rng is None)
 
-        class Explicit(nn.map_variables(piece, "params", trans_in_fn=gathered)):
-            def __call__(self, x, deterministic):
-                if sequence and jnp.issubdtype(x.dtype, jnp.floating):  # the residual stream
-                    # split along the sequence; the head's input gathered whole, for whatever
-                    # contraction makes its logits (a tied table's is no nn.Dense)
-                    x = along_sequence(x, None if self.name == "head" else sequence)
-                with nn.intercept_methods(intercept):
-                    return super().__call__(x, deterministic)
-
-        return Explicit
+        return run_explicit
 
     return wrap
 
 
 def state_shardings(abstract_state, mesh, rules):
-    # The boxes' logical names become PartitionSpecs of mesh axes through the rules.
-    return nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_state), mesh, rules)
+    # The boxes' logical names become shardings over the mesh through the rules (Flax NNX's
+    # own: a name the rules leave out must map to None), unboxed as the state holds them.
+    with nnx.logical_axis_rules((*((name, None) for name in UNSPLIT), *rules)):
+        return common.unbox(nnx.get_named_sharding(abstract_state, mesh))
 
 
 @functools.cache  # one per config: the state holds the model, and an equal state an equal one
@@ -392,8 +377,8 @@ def explicit_model(config):
 
 def init_state(config, mesh, shapes_only=False):
     create = functools.partial(common.create_state, config, explicit_model(config))
-    # Keep the logical boxes in the abstract state to read their names, not in the real one.
-    boxed = jax.eval_shape(functools.partial(create, hold=lambda boxed: boxed))
+    # Box the abstract state's parameters with their logical names, to read them; not the real one.
+    boxed = jax.eval_shape(functools.partial(create, hold=common.named(config)))
     # Each device computes only its own shards: the full model never exists on one device.
     create = jax.jit(create, out_shardings=state_shardings(boxed, mesh, RULES[config.rules]))
     # The state itself, or only its shapes and shardings (nothing allocated) to compile for.
@@ -416,7 +401,7 @@ def eval_step(state, batch):
 
 
 def batch_sharding(mesh, rules):
-    return NamedSharding(mesh, nn.logical_to_mesh_axes(("batch", None), rules))
+    return NamedSharding(mesh, P(dict(rules)["batch"]))
 
 
 def device_batch(batch, mesh, rules):

@@ -2,7 +2,7 @@
 
 What is where: the global batch is split by rows over every device (the mesh axis 'data', and
 'replica' under HSDP), each device taking an equal share. Every parameter is split into N equal
-pieces along one of its axes over 'data' (boxed as nn.Partitioned, whose names say which axis), and
+pieces along one of its axes over 'data' (boxed as nnx.Param, out_sharding naming which), and
 so are its Adam moments, so each device stores 1/N of the state; a parameter with no axis that N
 divides, or smaller than --min-shard-size, stays replicated. With --mesh replica=R,data=N (hybrid
 sharding, HSDP) each group of N devices holds one whole copy, split N ways, and the R groups are
@@ -41,10 +41,10 @@ from jax import lax
 
 import common
 
-import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 
@@ -103,43 +103,43 @@ def every_device():
 
 
 def is_sharded(x):
-    return isinstance(x, nn.Partitioned)
+    return isinstance(x, nnx.Param)
 
 
 def shard_params(params, config):
-    """Box each parameter as nn.Partitioned, naming 'data' on the axis it is split along.
+    """Box each parameter split over 'data' as an nnx.Param whose out_sharding names 'data' on
+    the axis it is split along: the largest that splits evenly (not --scan-layers' first)."""
+    scanned = {"blocks"} if config.scan_layers else set()
 
-    The logical names are dropped but for 'layers', the axis that --scan-layers stacks the
-    blocks along: nn.scan needs it named to hand each step of the scan one block's shards.
-    """
-
-    def shard(box):
-        x, names = box.value, [name if name == "layers" else None for name in box.names]
+    def shard(path, x):
         if x.size >= config.min_shard_size:
             for axis in np.argsort(x.shape)[::-1]:  # the largest axis that splits evenly
-                if names[axis] is None and x.shape[axis] % config.mesh_axes()["data"] == 0:
+                stacked = axis == 0 and path[0].key in scanned
+                if not stacked and x.shape[axis] % config.mesh_axes()["data"] == 0:
+                    names = [None] * x.ndim
                     names[axis] = "data"
-                    return nn.Partitioned(x, names=tuple(names))
+                    return nnx.Param(x, out_sharding=tuple(names), eager_sharding=False)
         return x
 
-    return jax.tree.map(shard, params, is_leaf=is_sharded)
+    return jax.tree_util.tree_map_with_path(shard, params)
 
 
 def mesh_specs(tree):
-    # Split over 'data', whole across 'replica'; 'layers' and unnamed axes are not split
+    # Split over 'data', whole across 'replica'
     def spec(x):
-        return P(*(name if name == "data" else None for name in x.names)) if is_sharded(x) else P()
+        return P(*x.out_sharding) if is_sharded(x) else P()
 
     return jax.tree.map(spec, tree, is_leaf=is_sharded)
 
 
 def gather_params(params):
     def gather(p):
-        return (
-            lax.all_gather(p.value, "data", axis=p.names.index("data"), tiled=True)
-            if is_sharded(p)
-            else p
-        )
+        if not is_sharded(p):
+            return p
+        # counted from the last axis: a scanned block's slice has lost the first
+        shard = p.get_value()
+        axis = shard.ndim + p.out_sharding.index("data") - len(p.out_sharding)
+        return lax.all_gather(shard, "data", axis=axis, tiled=True)
 
     return jax.tree.map(gather, params, is_leaf=is_sharded)
 
@@ -148,20 +148,21 @@ def keep_all_but_gathered(primitive, *_, **__):
     return primitive is not lax.all_gather_p
 
 
-def gather_and_keep(piece):
-    """Let a piece of the model see full parameters, gathered just before it runs. Autodiff
-    keeps what the backward pass needs of them (--keep-gathered)."""
-    return nn.map_variables(piece, "params", trans_in_fn=gather_params)
+def gather_and_keep(run):
+    """Let a piece of the model see full parameters, gathered just before nnx.merge makes it
+    (run: common.run_piece). Autodiff keeps what the backward pass needs of them
+    (--keep-gathered)."""
+    return lambda piece, params, x, rng: run(piece, gather_params(params), x, rng)
 
 
-def gather_before_use(piece):
+def gather_before_use(run):
     """gather_and_keep, and gathered again for the backward pass, as ZeRO-3 does (the default).
 
     The remat policy keeps every intermediate for the backward pass except the gathered
     parameters, which are gathered again: kept alive instead, every piece's full weights would
     be on every device at once by the end of the forward pass.
     """
-    return nn.remat(gather_and_keep(piece), policy=keep_all_but_gathered, static_argnums=(2,))
+    return jax.checkpoint(gather_and_keep(run), policy=keep_all_but_gathered, static_argnums=(0,))
 
 
 def average(grad):
@@ -170,7 +171,7 @@ def average(grad):
     divide by N; then (HSDP) all-reduce it across the replicas, which hold the same shard. A
     replicated parameter's gradient needs the all-reduce of data parallelism, over every device."""
     if is_sharded(grad):
-        mean = grad.value / lax.axis_size("data")
+        mean = grad.get_value() / lax.axis_size("data")
         if "replica" in every_device():  # HSDP: every replica holds the same shard
             mean = lax.pmean(mean, "replica")
         return grad.replace(value=mean)
@@ -272,7 +273,7 @@ def main(config):
     compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
     state = init_state(config, mesh)
     # Saved without boxes
-    checkpoints = common.Checkpoints(config, to_saved=nn.unbox, from_saved=rebox)
+    checkpoints = common.Checkpoints(config, to_saved=common.unbox, from_saved=rebox)
     state, start = checkpoints.restore(state)
     eval_data = [device_batch(b, mesh) for b in common.eval_batches(dataset, config)]
     report = common.cost_report(config, state, compiled, compile_seconds)

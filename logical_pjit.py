@@ -43,7 +43,7 @@ import optax
 
 import common
 
-import flax.linen as nn
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -183,14 +183,16 @@ def make_mesh(config):
 
 
 def state_shardings(abstract_state, mesh, rules):
-    # The boxes' logical names become PartitionSpecs of mesh axes through the rules.
-    return nn.logical_to_mesh_sharding(nn.get_partition_spec(abstract_state), mesh, rules)
+    # The boxes' logical names become shardings over the mesh through the rules (Flax NNX's
+    # own: a name the rules leave out must map to None), unboxed as the state holds them.
+    with nnx.logical_axis_rules((*((name, None) for name in UNSPLIT), *rules)):
+        return common.unbox(nnx.get_named_sharding(abstract_state, mesh))
 
 
 def init_state(config, mesh, shapes_only=False):
     create = functools.partial(common.create_state, config, common.make_model(config))
-    # Keep the logical boxes in the abstract state to read their names, not in the real one.
-    boxed = jax.eval_shape(functools.partial(create, hold=lambda boxed: boxed))
+    # Box the abstract state's parameters with their logical names, to read them; not the real one.
+    boxed = jax.eval_shape(functools.partial(create, hold=common.named(config)))
     # Each device computes only its own shards: the full model never exists on one device.
     create = jax.jit(create, out_shardings=state_shardings(boxed, mesh, RULES[config.rules]))
     # The state itself, or only its shapes and shardings (nothing allocated) to compile for.
@@ -213,7 +215,7 @@ def eval_step(state, batch):
 
 
 def batch_sharding(mesh, rules):
-    return NamedSharding(mesh, nn.logical_to_mesh_axes(("batch", None), rules))
+    return NamedSharding(mesh, P(dict(rules)["batch"]))
 
 
 def device_batch(batch, mesh, rules):
@@ -243,7 +245,7 @@ def main(config):
     # for the devices stops here, with one line, before anything is allocated.
     batch_shapes = common.batch_shape(config, batch_sharding(mesh, rules))
     # The activations' logical constraints resolve against these rules and mesh while tracing.
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
         compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
     state = init_state(config, mesh)
     checkpoints = common.Checkpoints(config)
@@ -260,7 +262,10 @@ def main(config):
             state, metrics = compiled(state, batch)
             log.log(step, metrics)
             if log.eval_due(step):
-                with jax.set_mesh(mesh), nn.logical_axis_rules(rules):  # traced here the first time
+                with (
+                    jax.set_mesh(mesh),
+                    nnx.logical_axis_rules(rules),
+                ):  # traced here the first time
                     log.eval(step, eval_fn, state, eval_data)
             if checkpoints.save(step, state, log):  # Ctrl-C or SIGTERM: saved, stop
                 break

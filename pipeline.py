@@ -56,8 +56,7 @@ from jax import lax
 
 import common
 
-from contextlib import nullcontext
-import flax.linen as nn
+from flax import nnx
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
@@ -474,7 +473,7 @@ def global_norm(grads, split):
 def stacked(config):
     """How the pipeline holds the parameters: unboxed, the blocks stacked (common.create_state's
     `hold`)."""
-    return lambda boxed: stack_blocks(nn.unbox(boxed), config.virtual())
+    return lambda params: stack_blocks(params, config.virtual())
 
 
 def init_state(config, mesh, shapes_only=False):
@@ -503,14 +502,11 @@ def stage_forward(params, x, tokens, rng, config, v=0, deltas=None):
     virtual = jax.tree.leaves(params["blocks"])[0].shape[0]
     # Which group of the model's layers: 0 first, virtual * stages - 1 last
     chunk = v * stages + stage
-    model = common.model_pieces(config)  # its Embed, Block and Head
-    train = config.dropout > 0
-    rngs = {"dropout": rng} if train else None
+    model = common.make_model(config)  # its pieces: model.defs, model.pieces.tied
+    rng = rng if config.dropout > 0 else None  # dropout given a key, none without
 
     def embed():
-        return model.Embed(config).apply(
-            {"params": params["embed"]}, tokens[:, :-1], not train, rngs=rngs
-        )
+        return common.run_piece(model.defs["embed"], params["embed"], tokens[:, :-1], rng)
 
     x = lax.cond(chunk == 0, embed, lambda: x)
 
@@ -520,8 +516,8 @@ def stage_forward(params, x, tokens, rng, config, v=0, deltas=None):
     def loss():
         # A tied head reads the embedding's table: the first and last stages both hold it, and
         # the sum of its gradients over 'stage' adds up the two uses (scatter_embed_and_head).
-        head = common.with_tied(params["head"], params["embed"], model.tied)
-        logits = model.Head(config).apply({"params": head}, x, not train, rngs=rngs)
+        head = common.with_tied(params["head"], params["embed"], model.pieces.tied)
+        logits = common.run_piece(model.defs["head"], head, x, rng)
         return common.cross_entropy(logits, tokens[:, 1:]).sum()
 
     loss = lax.cond(chunk == virtual * stages - 1, loss, lambda: jnp.zeros((), jnp.float32))
@@ -532,16 +528,17 @@ def run_blocks(blocks, x, rng, config, chunk=0, deltas=None):
     """A group of blocks ([layers, ...] stacked) on x, the group being the model's `chunk`-th:
     the output, the blocks' sums, and (with `deltas`, see stage_forward) their dense layers'
     inputs, [layers, ...] each."""
-    model, train = common.model_pieces(config), config.dropout > 0
+    piece = common.make_model(config).defs["block"]
 
     def block(x, layer):
         block_params, i, delta = layer
-        block_rngs = {"dropout": jax.random.fold_in(rng, i)} if train else None
+        module = common.merge(
+            piece, block_params, None if rng is None else jax.random.fold_in(rng, i)
+        )
         kept = []
-        with nn.intercept_methods(keep_dense(delta, kept)) if deltas else nullcontext():
-            x, stats = model.Block(config).apply(
-                {"params": block_params}, x, not train, rngs=block_rngs
-            )
+        if deltas:
+            keep_dense(module, delta, kept)
+        x, stats = module(x, rng is None)
         return x, (stats, [x_in for _, x_in, _ in kept])
 
     layers = jax.tree.leaves(blocks)[0].shape[0]
@@ -550,36 +547,34 @@ def run_blocks(blocks, x, rng, config, chunk=0, deltas=None):
     return x, jax.tree.map(lambda s: s.sum(0), stats or {}), inputs  # sums over the blocks
 
 
-def keep_dense(deltas, kept):
-    """A Flax interceptor (zero-bubble's split backward): the k-th nn.Dense a block calls appends
-    (its kernel's path in the block, its input as it multiplies it, in the compute dtype, its
-    output) to `kept` and adds deltas[k] (zeros; none if `deltas` is None) to its output. The
-    gradient with respect to deltas[k] is that layer's output gradient dy: with the input x, all
-    the kernel's gradient x^T dy needs. Any other layer (a mixture's experts, a norm) is left
-    alone: its weights' gradient is computed with the input's."""
+def keep_dense(block, deltas, kept):
+    """Zero-bubble's split backward, in a block made for one call (nnx.merge): the k-th
+    nnx.Linear it calls appends (its kernel's path in the block, its input as it multiplies it,
+    in the compute dtype, its output) to `kept` and adds deltas[k] (zeros; none if `deltas` is
+    None) to its output, through its dot_general. The gradient with respect to deltas[k] is that
+    layer's output gradient dy: with the input x, all the kernel's gradient x^T dy needs. Any
+    other layer (a mixture's experts, a norm) is left alone: its weights' gradient is computed
+    with the input's."""
+    for path, layer in nnx.iter_modules(block):
+        if type(layer) is nnx.Linear:
 
-    def intercept(next_fun, args, kwargs, context):
-        module = context.module
-        if type(module) is not nn.Dense or context.method_name != "__call__":
-            return next_fun(*args, **kwargs)
-        (x,) = args
-        dtype = module.dtype or jnp.result_type(x.dtype, module.param_dtype)
-        y = next_fun(*args, **kwargs)
-        kept.append(((*module.path, "kernel"), x.astype(dtype), y))
-        return y if deltas is None else y + deltas[len(kept) - 1]
+            def keep(x, kernel, *args, path=(*path, "kernel"), **kwargs):
+                y = lax.dot_general(x, kernel, *args, **kwargs)
+                kept.append((path, x, y))
+                return y if deltas is None else y + deltas[len(kept) - 1]
 
-    return intercept
+            layer.dot_general = keep
 
 
 def dense_calls(config, params, activation):
-    """[(kernel path, input, output)] of every nn.Dense a block calls, in order, as shapes."""
+    """[(kernel path, input, output)] of every nnx.Linear a block calls, in order, as shapes."""
     block_params = jax.tree.map(lambda p: p[0, 0], params["blocks"])
     calls = []
 
     def run():
-        with nn.intercept_methods(keep_dense(None, calls)):
-            block = common.model_pieces(config).Block(config)
-            block.apply({"params": block_params}, activation, True)
+        block = common.merge(common.make_model(config).defs["block"], block_params)
+        keep_dense(block, None, calls)
+        block(activation, True)
         return [(x, y) for _, x, y in calls]
 
     shapes = jax.eval_shape(run)
@@ -627,10 +622,9 @@ def pipeline_gradients(params, batch, rng, config, table):
         max(1, table[:, :, column].max() + 1) for column in (INPUT_ARRIVES, GRADIENT_ARRIVES)
     )
     # What passes between stages: the embedding's output, of the shape of every block's.
-    embed = common.model_pieces(config).Embed(config)
-    activation = jax.eval_shape(
-        lambda: embed.apply({"params": params["embed"]}, pieces[0][:, :-1], True)
-    )
+    defs = common.make_model(config).defs
+    embed = lambda: common.run_piece(defs["embed"], params["embed"], pieces[0][:, :-1])  # noqa: E731
+    activation = jax.eval_shape(embed)
     activation = jnp.zeros(activation.shape, activation.dtype)
     to_next = [(s, s + 1) for s in range(stages - 1)]
     to_previous = [(s + 1, s) for s in range(stages - 1)]
@@ -642,8 +636,8 @@ def pipeline_gradients(params, batch, rng, config, table):
 
     # What the blocks report (a mixture of experts' routing), summed over the micro-batches.
     block_params = jax.tree.map(lambda p: p[0, 0], params["blocks"])
-    block = common.model_pieces(config).Block(config)
-    stats = jax.eval_shape(lambda: block.apply({"params": block_params}, activation, True))[1] or {}
+    block = lambda: common.run_piece(defs["block"], block_params, activation)[1]  # noqa: E731
+    stats = jax.eval_shape(block) or {}
     stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats)
 
     # Zero-bubble: what each INPUT_GRAD keeps for its WEIGHT_GRAD, per dense layer of a block,

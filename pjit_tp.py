@@ -50,7 +50,7 @@ import optax
 import common
 
 import re
-import flax.linen as nn
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -274,7 +274,7 @@ def main(config):
     # The activations' logical constraints resolve against these rules while tracing (none
     # without --sequence-parallel: the compiler lays the activations out from the parameters).
     rules = SEQUENCE_PARALLEL if config.sequence_parallel else ()
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
         compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
     state = init_state(config, mesh)
     checkpoints = common.Checkpoints(config)
@@ -294,7 +294,7 @@ def main(config):
             state, metrics = compiled(state, batch)
             log.log(step, metrics)
             if log.eval_due(step):
-                with jax.set_mesh(mesh), nn.logical_axis_rules(rules):  # traced the first time
+                with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):  # traced the first time
                     log.eval(step, eval_fn, state, eval_data)
             if checkpoints.save(step, state, log):  # Ctrl-C or SIGTERM: saved, stop
                 break

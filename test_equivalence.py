@@ -174,7 +174,7 @@ def reference(**overrides):
 
 def global_params(name, state):
     """The parameters as plain global numpy arrays, whatever the strategy's layout."""
-    params = nn.unbox(state.params)  # fsdp.py's nn.Partitioned boxes hold global arrays
+    params = common.unbox(state.params)  # fsdp.py's nn.Partitioned boxes hold global arrays
     if name.startswith("pipeline"):  # its blocks stacked, each stage holding its own
         params = pipeline.unstack_blocks(params)
     if name.split()[0] == "pmap_dp":  # one stacked copy per device: check they agree, keep one
@@ -714,7 +714,7 @@ def stated_specs(module, config, state) -> dict:
     (pjit_tp.py's PARAM_SPECS), its rules (logical_pjit.py's RULES on the logical names), the
     axis its boxes name (fsdp.py), its stages (pipeline.py's state_specs), the experts' axis
     (expert_parallel.py's param_specs); P() where the script replicates."""
-    leaves = jax.tree_util.tree_leaves_with_path(nn.unbox(state.params))
+    leaves = jax.tree_util.tree_leaves_with_path(common.unbox(state.params))
     paths = [
         (jax.tree_util.keystr(path, simple=True, separator="/"), path, leaf)
         for path, leaf in leaves
@@ -760,7 +760,7 @@ def check_layout(module, config, state):
     specs = stated_specs(module, config, state)
     params = dict(
         (jax.tree_util.keystr(path, simple=True, separator="/"), leaf)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(nn.unbox(state.params))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(common.unbox(state.params))
     )
     assert set(params) == set(specs), set(params) ^ set(specs)
 
@@ -781,7 +781,7 @@ def check_layout(module, config, state):
     for path, leaf in params.items():
         check(path, f"parameter {path}", leaf)
         predicted += math.prod(piece(path, leaf.shape)) * leaf.dtype.itemsize
-    for path, leaf in jax.tree_util.tree_leaves_with_path(nn.unbox(state.opt_state)):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(common.unbox(state.opt_state)):
         where = jax.tree_util.keystr(path, simple=True, separator="/")
         of = max(
             (p for p in params if where.endswith("/" + p) and params[p].shape == leaf.shape),
@@ -842,7 +842,7 @@ def check_collectives(module, config, result, specs, mesh):
     batch = [axis for axis in batch if axis in mesh.axis_names and mesh.shape[axis] > 1]
     params = {
         jax.tree_util.keystr(path, simple=True, separator="/"): leaf
-        for path, leaf in jax.tree_util.tree_leaves_with_path(nn.unbox(result.state.params))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(common.unbox(result.state.params))
     }
     needed = {}  # (device groups, op) -> bytes per step
     for path, leaf in params.items():
@@ -1067,11 +1067,11 @@ def test_every_preset_is_what_its_strategy_means(name):
     state, mesh = result.state, mesh_of(module, result.state)
     params = {
         jax.tree_util.keystr(path, simple=True, separator="/"): leaf
-        for path, leaf in jax.tree_util.tree_leaves_with_path(nn.unbox(state.params))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(common.unbox(state.params))
     }
     expected = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(
-        nn.unbox((state.params, state.opt_state))
+        common.unbox((state.params, state.opt_state))
     ):
         where = jax.tree_util.keystr(path, simple=True, separator="/")
         of = [p for p in params if where.endswith(p) and params[p].shape == leaf.shape]
@@ -1120,10 +1120,10 @@ def test_fsdp_shards_parameters_and_optimizer_state():
     sharded = 0
     for path, leaf in jax.tree_util.tree_leaves_with_path(params, is_leaf=fsdp.is_sharded):
         name = jax.tree_util.keystr(path, simple=True, separator="/")
-        value = leaf.value if fsdp.is_sharded(leaf) else leaf
+        value = leaf.get_value() if fsdp.is_sharded(leaf) else leaf
         if value.size >= config.min_shard_size:
             assert fsdp.is_sharded(leaf), name
-            axis = leaf.names.index("data")
+            axis = leaf.out_sharding.index("data")
             expected = (
                 value.shape[:axis] + (value.shape[axis] // DEVICES,) + value.shape[axis + 1 :]
             )
@@ -1133,7 +1133,9 @@ def test_fsdp_shards_parameters_and_optimizer_state():
             assert value.sharding.is_fully_replicated, name
     assert sharded >= 6 * SMALL["layers"]  # every kernel of every block, at least
     leaves = jax.tree.leaves((result.state.params, result.state.opt_state), is_leaf=fsdp.is_sharded)
-    expected = sum(x.value.nbytes // DEVICES if fsdp.is_sharded(x) else x.nbytes for x in leaves)
+    expected = sum(
+        x.get_value().nbytes // DEVICES if fsdp.is_sharded(x) else x.nbytes for x in leaves
+    )
     total, per_device = state_bytes(result.state)
     print(
         f"\nfsdp: {per_device} of {total} state bytes on device 0 "
@@ -1180,7 +1182,7 @@ def test_fsdp_gathers_again_for_the_backward_pass_unless_told_to_keep(keep):
     batch = fsdp.device_batch(common.load_dataset(config).batch(0, 0, config.batch_size), mesh)
     leaves = jax.tree_util.tree_leaves_with_path(state.params, is_leaf=fsdp.is_sharded)
     sharded = {
-        jax.tree_util.keystr(path): p.value.nbytes for path, p in leaves if fsdp.is_sharded(p)
+        jax.tree_util.keystr(path): p.get_value().nbytes for path, p in leaves if fsdp.is_sharded(p)
     }
     kernels = {name: size for name, size in sharded.items() if name.endswith("['kernel']")}
     assert len(kernels) == 4 * SMALL["layers"] + 1  # qkv, out, fc1, fc2 in every block; the head
@@ -1202,7 +1204,7 @@ def test_fsdp_gathers_a_tied_table_for_each_use():
     result = run("fsdp", tie_embeddings=True)
     leaves = jax.tree_util.tree_leaves_with_path(result.state.params, is_leaf=fsdp.is_sharded)
     sharded = {
-        jax.tree_util.keystr(path, simple=True, separator="/"): p.value.nbytes
+        jax.tree_util.keystr(path, simple=True, separator="/"): p.get_value().nbytes
         for path, p in leaves
         if fsdp.is_sharded(p)
     }

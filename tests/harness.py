@@ -14,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -236,13 +235,13 @@ DATA_GROUPS = {tuple(col) for col in np.arange(DEVICES).reshape(2, 4).T.tolist()
 
 def state_bytes(state):
     """(total, on device 0) bytes of the parameters and optimizer state."""
-    leaves = jax.tree.leaves(nn.unbox((state.params, state.opt_state)))
+    leaves = jax.tree.leaves(common.unbox((state.params, state.opt_state)))
     return sum(x.nbytes for x in leaves), sum(x.addressable_data(0).nbytes for x in leaves)
 
 
 def shard_shapes(result):
     """{parameter path: the shape of the piece device 0 holds}."""
-    params = nn.unbox(result.state.params)
+    params = common.unbox(result.state.params)
     return {
         jax.tree_util.keystr(path, simple=True, separator="/"): leaf.addressable_data(0).shape
         for path, leaf in jax.tree_util.tree_leaves_with_path(params)

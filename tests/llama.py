@@ -8,11 +8,12 @@ parameter, attention through self.attend and positions through self.positions. T
 any script: python fsdp.py --model tests/llama.py
 """
 
+import typing
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-import common
 
 GROUP = 2  # query heads per key/value head
 
@@ -60,7 +61,16 @@ def whole_sequence(x):
     return nn.with_logical_constraint(x, ("batch", None, "act_embed"))
 
 
-class Embed(common.Piece):
+class Piece(nn.Module):
+    """A linen piece, built as Piece(config, hooks): the hooks' attend and positions at hand."""
+
+    config: typing.Any
+    hooks: typing.Any
+    attend = property(lambda self: self.hooks.attend)
+    positions = property(lambda self: self.hooks.positions)
+
+
+class Embed(Piece):
     @nn.compact
     def __call__(self, tokens, deterministic):
         c = self.config
@@ -75,7 +85,7 @@ class Embed(common.Piece):
         return residual_stream(x)
 
 
-class Block(common.Piece):
+class Block(Piece):
     @nn.compact
     def __call__(self, x, deterministic):
         c = self.config
@@ -110,7 +120,7 @@ class Block(common.Piece):
         return residual_stream(x), None
 
 
-class Head(common.Piece):
+class Head(Piece):
     @nn.compact
     def __call__(self, x, deterministic):
         logits = _dense(self.config, self.config.vocab_size, ("embed", "vocab"), "out")(

@@ -2,7 +2,7 @@
 
 Each piece is an nnx.Module built as Piece(config, hooks, rngs=rngs) and called as
 piece(x, deterministic); every parameter names its axes with nnx.with_partitioning, which the
-scripts read as logical names (common.from_nnx); attention goes through hooks.attend(q, k, v)
+scripts read as logical names; attention goes through hooks.attend(q, k, v)
 and positions come from hooks.positions(length). Nothing else is asked. Train it with any
 script: python fsdp.py --model tests/nnx_llama.py
 """

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import time
 
-import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -92,7 +91,7 @@ def check_resumes(writer, reader, flags, folder, uninterrupted):
 
 def balance_biases(result):
     """A mixture of experts' balance biases (--router-bias-rate), as numbers: {path: values}."""
-    params = nn.unbox(result.state.params)
+    params = common.unbox(result.state.params)
     return {
         jax.tree_util.keystr(path): np.asarray(leaf)
         for path, leaf in jax.tree_util.tree_leaves_with_path(params)

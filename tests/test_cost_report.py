@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
@@ -126,7 +125,7 @@ def test_scanned_layers_cost_the_same_communication(name):
     config = common.Config(**SMALL)
     params = jax.tree_util.tree_leaves_with_path(
         jax.eval_shape(
-            lambda: nn.unbox(common.init_params(common.make_model(config), jax.random.key(0)))
+            lambda: common.unbox(common.init_params(common.make_model(config), jax.random.key(0)))
         )
     )
     kernels = {  # bytes of the blocks' kernels, and of the head's
@@ -212,9 +211,9 @@ def test_remat_keeps_less_for_the_backward_pass():
             common.make_model(config),
             jax.numpy.zeros((SMALL["batch_size"] // DEVICES, config.seq_len + 1), "int32"),
         )
-        params = nn.unbox(common.init_params(model, jax.random.key(0)))
+        params = common.init_params(model, jax.random.key(0))
         vjp = jax.eval_shape(
-            lambda p: jax.vjp(lambda p: common.loss_fn(p, model.apply, tokens, None)[0], p)[1],
+            lambda p: jax.vjp(lambda p: common.loss_fn(p, model, tokens, None)[0], p)[1],
             params,
         )
         return sum(map(common.nbytes, jax.tree.leaves(vjp)))
@@ -280,7 +279,7 @@ def test_show_sharding_prints_every_parameter(tmp_path):
     )
     config = fsdp.Config(steps=3, batch_size=8, seq_len=16, layers=1, d_model=32)
     expected = jax.eval_shape(
-        lambda: nn.unbox(common.init_params(common.make_model(config), jax.random.key(0)))
+        lambda: common.unbox(common.init_params(common.make_model(config), jax.random.key(0)))
     )
     names = [
         jax.tree_util.keystr(path, simple=True, separator="/")

@@ -9,10 +9,10 @@ with dropout 0.1 while a probe records each mask a dropout layer draws and on wh
 
 import hashlib
 
-import flax.linen as nn
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 from jax import lax
 
 from tests.harness import DEFAULTS, RTOL, SMALL, STRATEGIES, matrix, model_flags, run_uncached
@@ -22,27 +22,29 @@ RATE = 0.1
 
 
 def probe_dropout(monkeypatch) -> list:
-    """Make every nn.Dropout report the mask it draws: (the device's place in the mesh, -1 under
-    jax.jit where a mask covers the global batch; the layer's path; the mask). Where shard_map or
-    pmap runs the step, each device reports its own. Returns the list the reports go to."""
+    """Make every nnx.Dropout report the mask it draws: (the device's place in the mesh, -1 under
+    jax.jit where a mask covers the global batch; the layer's input shape; the mask). Where
+    shard_map or pmap runs the step, each device reports its own. Returns the list the reports
+    go to."""
     masks = []
-    dropout = nn.Dropout.__call__
+    dropout = nnx.Dropout.__call__
 
-    def call(self, inputs, deterministic=None, rng=None):
-        out = dropout(self, inputs, deterministic, rng)
-        if not nn.merge_param("deterministic", self.deterministic, deterministic) and self.rate > 0:
+    def call(self, inputs, *, deterministic=None, rngs=None):
+        out = dropout(self, inputs, deterministic=deterministic, rngs=rngs)
+        on = not (self.deterministic if deterministic is None else deterministic)
+        if on and self.rate > 0:
             mesh = jax.sharding.get_abstract_mesh()
             axes = () if mesh.empty else mesh.manual_axes
             device = lax.axis_index(axes) if axes else -1
-            path = "/".join(self.scope.path)
+            where = f"dropout of {inputs.shape}"
             jax.debug.callback(
-                lambda d, dropped: masks.append((int(d), path, np.asarray(dropped))),
+                lambda d, dropped: masks.append((int(d), where, np.asarray(dropped))),
                 device,
                 out == 0,
             )
         return out
 
-    monkeypatch.setattr(nn.Dropout, "__call__", call)
+    monkeypatch.setattr(nnx.Dropout, "__call__", call)
     return masks
 
 

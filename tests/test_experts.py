@@ -5,27 +5,36 @@ routing costs, and routing shown in the log and the metrics file.
 
 import json
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 
 import common
 from tests.harness import MOE, SMALL, TINY, run_script
 from tools import routing_cost
 
 
-def mixture(capacity_factor, same_experts=False, **flags):
-    """A MoeMlp and the dense Mlp of one config, their parameters, and some activations."""
+def functional(make):
+    """The NNX module make() builds as a function of its parameters (nested dicts) and input,
+    and those."""
+    with nnx.use_eager_sharding(False):  # no mesh here
+        graphdef, params, rest = nnx.split(make(), nnx.Param, ...)
+    return lambda params, x: nnx.merge(graphdef, params, rest)(x, True), nnx.to_pure_dict(params)
+
+
+def mixture(capacity_factor, same_experts=False, hooks=None, **flags):
+    """A MoeMlp and the dense Mlp of one config as functions, their parameters, activations."""
     flags = {**SMALL, **MOE, "shared_experts": 0, "router_bias_rate": 0, **flags}
     flags["capacity_factor"] = capacity_factor
     config = common.Config(**flags)
     x = jax.random.normal(jax.random.key(1), (4, config.seq_len, config.d_model))
-    moe, mlp = common.MoeMlp(config), common.Mlp(config)
-    moe_params = nn.unbox(moe.init(jax.random.key(2), x, True)["params"])
-    mlp_params = nn.unbox(mlp.init(jax.random.key(3), x, True)["params"])
+    moe, moe_params = functional(
+        lambda: common.MoeMlp(config, hooks or common.Hooks(), rngs=nnx.Rngs(2))
+    )
+    mlp, mlp_params = functional(lambda: common.Mlp(config, rngs=nnx.Rngs(3)))
     if same_experts:  # every expert a copy of the dense MLP
         for layer in ("fc1", "fc2"):
             for name, value in mlp_params[layer].items():
@@ -37,10 +46,8 @@ def test_experts_that_are_one_mlp_give_that_mlp():
     """Each token's outputs are weighted by its top-k gates, which sum to 1: with every expert the
     same MLP and no token dropped, the mixture is that MLP, whatever the router says."""
     config, moe, moe_params, mlp, mlp_params, x = mixture(0, same_experts=True)
-    out, stats = moe.apply({"params": moe_params}, x, True)
-    np.testing.assert_allclose(
-        out, mlp.apply({"params": mlp_params}, x, True), rtol=1e-5, atol=1e-6
-    )
+    out, stats = moe(moe_params, x)
+    np.testing.assert_allclose(out, mlp(mlp_params, x), rtol=1e-5, atol=1e-6)
     assert float(stats["dropped_tokens"]) == 0
     assert float(stats["expert_tokens"].sum()) == x.shape[0] * x.shape[1] * config.top_k
 
@@ -54,7 +61,7 @@ def test_dropless_is_the_capacity_path_with_room_for_every_token():
     assert common.capacity(config, config.seq_len) == config.seq_len
 
     def outputs(moe, params):
-        out, stats = moe.apply({"params": params}, x, True)
+        out, stats = moe(params, x)
         return jnp.sum(out * jnp.cos(x)) + stats["aux_loss_sum"], (out, stats)
 
     (_, (out, stats)), grads = jax.value_and_grad(outputs, argnums=1, has_aux=True)(
@@ -82,25 +89,17 @@ def test_a_choice_of_another_devices_expert_is_skipped():
     expert = jax.random.randint(jax.random.key(5), (*x.shape[:2], 2), 0, config.experts)
     gate = jax.random.uniform(jax.random.key(6), expert.shape)
 
-    class Part(nn.Module):  # the experts of one part, as a device holds them
-        shard: int
-        shards: int
-
-        @nn.compact
-        def __call__(self, x):
-            fc1 = common.ExpertDense(config, 4 * config.d_model, ("embed", "mlp"), name="fc1")
-            fc2 = common.ExpertDense(config, config.d_model, ("mlp", "embed"), name="fc2")
-            return common.grouped_by_expert(
-                fc1, fc2, config.experts, x, expert, gate, self.shard, self.shards
-            )
-
-    def part(shard, shards):
+    def part(shard, shards):  # the experts of one part, as a device holds them
         here = config.experts // shards
         mine = {
             name: jax.tree.map(lambda p: p[shard * here : (shard + 1) * here], params[name])
             for name in ("fc1", "fc2")
         }
-        return Part(shard, shards).apply({"params": mine}, x)
+        experts = common.build(common.MoeMlp, config, common.Hooks(), jax.random.key(0))
+        nnx.update(experts, {**params, **mine})
+        return common.grouped_by_expert(
+            experts.fc1, experts.fc2, config.experts, x, expert, gate, shard, shards
+        )
 
     whole = part(0, 1)
     parts = sum(part(shard, 4) for shard in range(4))
@@ -113,11 +112,12 @@ def test_shared_experts_take_every_token():
     output added to theirs whatever the router says."""
     config, moe, params, *_, x = mixture(0, shared_experts=2)
     assert params["shared"]["fc1"]["kernel"].shape == (config.d_model, 2 * 4 * config.d_model)
-    out, _ = moe.apply({"params": params}, x, True)
+    out, _ = moe(params, x)
     routed_config, routed, *_ = mixture(0)
     routed_params = {name: value for name, value in params.items() if name != "shared"}
-    routed_out, _ = routed.apply({"params": routed_params}, x, True)
-    shared = common.Mlp(config, 2).apply({"params": params["shared"]}, x, True)
+    routed_out, _ = routed(routed_params, x)
+    shared_mlp, _ = functional(lambda: common.Mlp(config, 2, rngs=nnx.Rngs(0)))
+    shared = shared_mlp(params["shared"], x)
     assert float(jnp.abs(shared).max()) > 0
     np.testing.assert_allclose(out, routed_out + shared, rtol=1e-6, atol=1e-7)
 
@@ -145,7 +145,7 @@ def test_the_bias_chooses_and_the_probabilities_weigh():
     config, moe, params, *_, x = mixture(0, router_bias_rate=0.001)
     assert params["router_bias"].shape == (config.experts,)
     params["router_bias"] = params["router_bias"].at[0].set(10.0)
-    _, stats = moe.apply({"params": params}, x, True)
+    _, stats = moe(params, x)
     assert float(stats["expert_tokens"][0]) == x.shape[0] * x.shape[1]  # every token's
     probs = jax.nn.softmax(x @ params["router"]["kernel"])
     first = probs[..., 0]
@@ -156,7 +156,8 @@ def test_the_bias_chooses_and_the_probabilities_weigh():
         gates["expert"], gates["gate"] = expert, gate
         return mixture(x, expert, gate)
 
-    moe.clone(hooks=common.Hooks(dropless=record)).apply({"params": params}, x, True)
+    _, recording, *_ = mixture(0, router_bias_rate=0.001, hooks=common.Hooks(dropless=record))
+    recording(params, x)
     assert (gates["expert"][..., 0] == 0).all()
     np.testing.assert_allclose(gates["gate"][..., 0], first / (first + second), rtol=1e-5)
 
@@ -202,12 +203,12 @@ def test_capacity_drops_the_later_tokens_and_counts_them():
     counted, and every other choice is kept. Dropless, the same tokens keep them all."""
     config, moe, params, *_, x = mixture(0.5)
     assert common.capacity(config, config.seq_len) == 4  # 0.5 x 32 tokens x 2 choices / 8 experts
-    _, stats = moe.apply({"params": params}, x, True)
+    _, stats = moe(params, x)
     per_expert, dropped = np.asarray(stats["expert_tokens"]), float(stats["dropped_tokens"])
     assert (per_expert <= x.shape[0] * 4).all() and dropped > 0
     assert per_expert.sum() + dropped == x.shape[0] * config.seq_len * config.top_k
     _, unlimited, *_ = mixture(0)
-    _, stats = unlimited.apply({"params": params}, x, True)
+    _, stats = unlimited(params, x)
     assert float(stats["dropped_tokens"]) == 0
 
 
@@ -218,7 +219,7 @@ def test_capacity_routing_is_gshards_order():
     kept choice through its expert's MLP token by token, weighted by its renormalised gate."""
     config, moe, params, *_, x = mixture(0.5)
     room, (rows, length, _) = common.capacity(config, config.seq_len), x.shape
-    out, stats = moe.apply({"params": params}, x, True)
+    out, stats = moe(params, x)
     probs = np.asarray(jax.nn.softmax(x @ params["router"]["kernel"]))
     chosen = np.argsort(-probs, axis=-1)[..., : config.top_k]
     gates = np.take_along_axis(probs, chosen, -1)
@@ -245,10 +246,9 @@ def test_the_router_computes_in_float32_under_bfloat16():
     are float32, its input's bfloat16 values times its float32 kernel."""
     config, moe, params, *_, x = mixture(0, dtype="bfloat16")
     x = x.astype(jnp.bfloat16)
-    _, found = moe.apply(
-        {"params": params}, x, True, capture_intermediates=True, mutable=["intermediates"]
-    )
-    (logits,) = found["intermediates"]["router"]["__call__"]
+    router = common.build(common.MoeMlp, config, common.Hooks(), jax.random.key(0)).router
+    nnx.update(router, params["router"])
+    logits = router(x)
     assert logits.dtype == jnp.float32
     exact = np.asarray(x, np.float64) @ np.asarray(params["router"]["kernel"], np.float64)
     np.testing.assert_allclose(logits, exact, rtol=0, atol=1e-5 * np.abs(exact).max())
@@ -264,7 +264,7 @@ def test_load_balancing_loss_is_one_when_even(even):
     params["router"]["kernel"] = jnp.zeros_like(params["router"]["kernel"])
     if not even:
         params["router"]["kernel"] = params["router"]["kernel"].at[:, 0].set(1.0)
-    _, stats = moe.apply({"params": params}, x, True)
+    _, stats = moe(params, x)
     balance = float(stats["aux_loss_sum"]) / (x.shape[0] * x.shape[1])  # per token, weight 1
     assert balance == pytest.approx(1.0 if even else config.experts / 2, rel=1e-3)
 
@@ -306,9 +306,7 @@ def test_a_token_costs_its_top_k_experts():
     d, flops = SMALL["d_model"], {}
     for name, config in (("dense", dense), ("moe", moe)):
         params = jax.eval_shape(
-            lambda config=config: nn.unbox(
-                common.init_params(common.make_model(config), jax.random.key(0))
-            )
+            lambda config=config: common.init_params(common.make_model(config), jax.random.key(0))
         )
         flops[name] = common.flops_per_token(config, params)
     mlp = d * 4 * d + 4 * d + 4 * d * d + d
@@ -327,7 +325,7 @@ def test_one_expert_per_token_still_teaches_the_router():
         target = jax.random.normal(jax.random.key(4), x.shape)
 
         def task_loss(params):
-            out, _ = moe.apply({"params": params}, x, True)
+            out, _ = moe(params, x)
             return jnp.mean((out - target) ** 2)
 
         g = jax.grad(task_loss)(params)

@@ -9,7 +9,6 @@ reference: tests/test_experts.py.)"""
 import functools
 import math
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -187,10 +186,10 @@ def test_bfloat16_runs_every_matmul_in_bfloat16(tie):
     model = common.make_model(config)
     params = common.init_params(model, jax.random.key(0))
     tokens = jnp.zeros((2, config.seq_len), jnp.int32)
-    jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens))(params)
+    jaxpr = jax.make_jaxpr(lambda p: model(p, tokens))(params)
     dots = [e for e in equations(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
     types = [tuple(str(v.aval.dtype) for v in e.invars) for e in dots]
     # Per block: qkv, the scores, the weighted sum, out, fc1, fc2; and the head
     assert len(dots) == 6 * config.layers + 1, types
     assert all(t == ("bfloat16", "bfloat16") for t in types), types
-    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nn.unbox(params)))
+    assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(common.unbox(params)))

@@ -92,51 +92,51 @@ def test_pjit_tp_says_what_a_suggested_entry_keeps_whole(tmp_path):
     ) in whole
 
 
-def broken(change):
+NNX_LLAMA = (ROOT / "tests" / "nnx_llama.py").read_text()
+
+
+def broken(change, text=LLAMA):
     old, new = change
-    assert old in LLAMA, old
-    return LLAMA.replace(old, new)
+    assert old in text, old
+    return text.replace(old, new)
 
 
-# (a change to tests/llama.py, what the one-line error says)
+# (a change to tests/nnx_llama.py, what the one-line error says)
 BREACHES = [
     (
-        ("class Block(common.Piece)", "class Layer(common.Piece)"),
+        ("class Block(nnx.Module)", "class Layer(nnx.Module)"),
         "defines no Block, e.g. --model gpt",
     ),
+    (("class Head(nnx.Module)", "class Head"), "Head is no nnx.Module: subclass it"),
     (
-        ("class Head(common.Piece)", "class Head(nn.Module)"),
-        "Head is not a common.Piece: subclass it",
-    ),
-    (
-        ('nn.with_logical_partitioning(nn.initializers.ones, ("norm",))', "nn.initializers.ones"),
+        ('out_sharding=("norm",)', ""),
         "Block's parameter attn_norm/scale has no logical axis names: declare it with "
-        "nn.with_logical_partitioning",
+        "nnx.with_partitioning",
     ),
     (
         ('_init(("vocab", "embed"))', '_init(("vocab",))'),
         "Embed's parameter token/embedding has 2 axes but names",
     ),
     (
-        ("        return residual_stream(x), None\n", "        return residual_stream(x)\n"),
+        ("deterministic=deterministic), None\n", "deterministic=deterministic)\n"),
         "Block returns float32[2, 16, 32] for activations",
     ),
     (
-        ("return logits.astype(jnp.float32)", "return logits.astype(jnp.float32)[..., :-1]"),
+        ("norm(x)).astype(jnp.float32)", "norm(x)).astype(jnp.float32)[..., :-1]"),
         "Head returns float32[2, 16, 255]; it must return float32 logits float32[2, 16, 256]",
     ),
     (
-        ("return logits.astype(jnp.float32)", "return logits.astype(jnp.bfloat16)"),
+        ("norm(x)).astype(jnp.float32)", "norm(x)).astype(jnp.bfloat16)"),
         "Head returns bfloat16[2, 16, 256]",
     ),
-    # Half adapted: the pieces are Pieces, but attention and positions bypass the hooks (before:
+    # Half adapted: the pieces are modules, but attention and positions bypass the hooks (before:
     # check_model passed, and context_parallel.py trained another model, exit 0)
     (
-        ("self.attend(q, k, v)", "common.causal_attention(q, k, v)"),
-        "Block never calls self.attend(q, k, v): attention must go through that hook",
+        ("self.hooks.attend(q, k, v)", "jax.nn.dot_product_attention(q, k, v, is_causal=True)"),
+        "Block never calls hooks.attend(q, k, v): attention must go through that hook",
     ),
     (
-        ("positions = self.positions(x.shape[1])", "positions = jnp.arange(x.shape[1])"),
+        ("self.hooks.positions(x.shape[1])", "jnp.arange(x.shape[1])"),
         "Block makes its own token positions or causal mask",
     ),
 ]
@@ -148,7 +148,7 @@ BREACHES = [
 def test_a_model_that_breaks_the_contract_is_one_line(change, message, tmp_path, capsys):
     """tools/check.py finds each breach on shapes alone: exit 2, one line naming the piece or
     parameter and what to do."""
-    (tmp_path / "bad.py").write_text(broken(change))
+    (tmp_path / "bad.py").write_text(broken(change, NNX_LLAMA))
     assert message in refused(tmp_path / "bad.py", capsys)
 
 
@@ -169,9 +169,9 @@ def test_the_checker_passes_the_tests_models(capsys):
 
 
 def test_context_parallel_refuses_attention_that_bypasses_its_hook(tmp_path, capsys):
-    """The one check a run keeps: context_parallel.py replaces self.attend, so a model attending
+    """The one check a run keeps: context_parallel.py replaces hooks.attend, so a model attending
     without it would train another model silently. Exit 2, one line, nothing compiled."""
-    (tmp_path / "bypass.py").write_text(broken(BREACHES[7][0]))
+    (tmp_path / "bypass.py").write_text(broken(BREACHES[7][0], NNX_LLAMA))
     config = [*TINY, "--model", str(tmp_path / "bypass.py")]
     with pytest.raises(SystemExit) as exit_info:
         SCRIPTS["context_parallel"].main(
@@ -179,7 +179,7 @@ def test_context_parallel_refuses_attention_that_bypasses_its_hook(tmp_path, cap
         )
     out, err = capsys.readouterr()
     assert exit_info.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
-    assert "--model never calls self.attend(q, k, v)" in err
+    assert "--model never calls hooks.attend(q, k, v)" in err
 
 
 TIED_LLAMA = (ROOT / "tests" / "tied_llama.py").read_text()
@@ -194,19 +194,10 @@ SHARING = [
         ('embedding_init=_init(("vocab", "embed"))', 'embedding_init=_init(("vocab", "model"))'),
         "a tied parameter has one shape and one set of axis names",
     ),
-    # The head reaching the embedding's table through self.parent (before: a 25-line traceback)
+    # A piece built otherwise than the contract says (before: a 25-line traceback)
     (
-        (
-            "return table.attend(",
-            'table = self.parent.variables["params"]["embed"]["token"]\n'
-            "        return table.attend(",
-        ),
-        "Head fails when built on its own, as pipeline.py runs each piece",
-    ),
-    # Parameters named after the piece's place: what a module shared between pieces also gives
-    (
-        ('RMSNorm(name="norm")', 'RMSNorm(name=f"norm_{self.name}")'),
-        "Head's parameter norm_None/scale is not where it is when the piece is built on its own",
+        ("def __init__(self, config, hooks, *, rngs):", "def __init__(self, config, *, rngs):"),
+        "Head fails when built as Head(config, hooks, rngs=rngs)",
     ),
 ]
 

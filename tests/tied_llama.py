@@ -1,27 +1,27 @@
-"""tests/llama.py with its output head tied to the token embedding, as Gemma's is: the head
-multiplies by the embedding's table (nn.Embed.attend) instead of a kernel of its own. TIED says
+"""tests/nnx_llama.py with its output head tied to the token embedding, as Gemma's is: the head
+multiplies by the embedding's table (nnx.Embed.attend) instead of a kernel of its own. TIED says
 so: the head's token/embedding is the embedding's, stored once, its gradient the sum of both
 uses. Train it with any script: python fsdp.py --model tests/tied_llama.py
 """
 
-import flax.linen as nn
 import jax.numpy as jnp
+from flax import nnx
 
-import common
-from tests.llama import Block, Embed, RMSNorm, _init  # noqa: F401 (Block and Embed: the model's)
+from tests.nnx_llama import Block, Embed, RMSNorm, _init  # noqa: F401 (Block, Embed: the model's)
 
 TIED = ("token/embedding",)  # the head's parameters that are the embedding's
 
 
-class Head(common.Piece):
-    @nn.compact
-    def __call__(self, x, deterministic):
-        c = self.config
-        table = nn.Embed(
-            c.vocab_size,
-            c.d_model,
+class Head(nnx.Module):
+    def __init__(self, config, hooks, *, rngs):
+        self.norm = RMSNorm(config.d_model, rngs)
+        self.token = nnx.Embed(  # at the path of Embed's table: token/embedding
+            config.vocab_size,
+            config.d_model,
             embedding_init=_init(("vocab", "embed")),
-            dtype=c.dtype,
-            name="token",  # the path of Embed's table: token/embedding
+            dtype=config.dtype,
+            rngs=rngs,
         )
-        return table.attend(RMSNorm(name="norm")(x)).astype(jnp.float32)
+
+    def __call__(self, x, deterministic):
+        return self.token.attend(self.norm(x)).astype(jnp.float32)

@@ -20,15 +20,15 @@ import sys
 import traceback
 from pathlib import Path
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common.py, beside the scripts
 
 import common  # noqa: E402
-from common import ConfigError, init_params, make_model, require  # noqa: E402
+from common import ConfigError, require  # noqa: E402
 
 TENSORFLOW = "tensorflow-cpu==2.21.0"  # what preparing a TFDS catalogue dataset imports
 
@@ -38,10 +38,6 @@ class Config(common.Config):
     tfds_manual_dir: str | None = common.arg(
         None, "already downloaded source files, to prepare a TFDS dataset offline"
     )
-
-
-def _is_boxed(x):
-    return isinstance(x, nn.meta.AxisMetadata)
 
 
 def _failure(error: Exception, origin: str) -> str:
@@ -60,16 +56,9 @@ def _failure(error: Exception, origin: str) -> str:
 
 
 def check_model_file(config: Config):
-    """What a model file declares: pieces that are common.Pieces, a TIED of paths."""
-    pieces, where = common.model_pieces(config), f"--model {config.model}:"
-    for piece in pieces[:3]:
-        require(
-            issubclass(piece, common.Piece),
-            "model",
-            f"{config.model}: {piece.__name__} is not a common.Piece: subclass it, so that it is "
-            f"built as {piece.__name__}(config, hooks) (common.py's model contract)",
-        )
-    tied = pieces.tied
+    """What a model file declares: Embed, Block and Head modules (common.model_pieces checks),
+    a TIED of paths."""
+    tied, where = common.model_pieces(config).tied, f"--model {config.model}:"
     if not (isinstance(tied, tuple) and all(isinstance(p, str) and p for p in tied)):
         raise ConfigError(
             f"{where} TIED is {tied!r}; it must be a tuple of the paths of the head's parameters "
@@ -85,60 +74,53 @@ def check_model(config: common.Config):
     where = f"--model {config.model}:"
     contract = "(common.py's model contract; README: Your own model and data)"
 
-    def build(piece, x):
-        # The random key is made inside eval_shape too: made outside, it would be computed
-        # (compiled).
+    def build(name, piece, x):
         try:
-            out, variables = jax.eval_shape(
-                lambda x: piece(config, PROBES).init_with_output(jax.random.key(0), x, True), x
-            )
-        except Exception as error:  # e.g. a piece reaching into another through self.parent
+            made = common.PieceDef.of(name, piece, config, PROBES)
+            out = jax.eval_shape(lambda p, x: common.run_piece(made, p, x), made.params, x)
+        except Exception as error:  # e.g. a piece that takes other arguments
             raise ConfigError(
-                f"{where} {piece.__name__} fails when built on its own, as pipeline.py runs "
-                f"each piece: {_failure(error, config.model)}; a piece uses only its own "
-                f"parameters, and a head reads the embedding's through TIED {contract}"
+                f"{where} {PIECE[name]} fails when built as {PIECE[name]}(config, hooks, "
+                f"rngs=rngs) and called as piece(x, deterministic) on its own, as pipeline.py "
+                f"runs each piece: {_failure(error, config.model)} {contract}"
             ) from None
-        for path, leaf in jax.tree_util.tree_leaves_with_path(
-            variables.get("params", {}), is_leaf=_is_boxed
-        ):
-            where_in = jax.tree_util.keystr(path, simple=True, separator="/")
-            name = f"{piece.__name__}'s parameter {where_in}"
-            if not isinstance(leaf, nn.LogicallyPartitioned):
+        for path, (shape, names) in _parameter_shapes(made.params).items():
+            parameter = f"{PIECE[name]}'s parameter {path}"
+            if not names:
                 raise ConfigError(
-                    f"{where} {name} has no logical axis names: declare it with "
-                    f"nn.with_logical_partitioning(init, names) (NNX: nnx.with_partitioning) "
-                    f"{contract}"
+                    f"{where} {parameter} has no logical axis names: declare it with "
+                    f"nnx.with_partitioning(init, names) or nnx.Param(value, out_sharding=names) "
+                    f"(linen: nn.with_logical_partitioning) {contract}"
                 )
-            if len(leaf.names) != len(leaf.value.shape):
+            if len(names) != len(shape):
                 raise ConfigError(
-                    f"{where} {name} has {len(leaf.value.shape)} axes but names {leaf.names}: one "
-                    f"name per axis {contract}"
+                    f"{where} {parameter} has {len(shape)} axes but names {names}: one name per "
+                    f"axis {contract}"
                 )
-        return out, variables
+        return out, made
 
-    def calls(piece, variables, x):
+    def calls(made, x):
         """The hooks the piece calls, and whether it makes an arange along the sequence itself
         (an iota [length] or [length, length] at this length and at one more: its own positions,
         or its own causal mask)."""
 
         def aranges(length):
-            shape = (x.shape[0], length, *x.shape[2:])
-            traced = jax.make_jaxpr(lambda v, x: piece(config, PROBES).apply(v, x, True))(
-                variables, jax.ShapeDtypeStruct(shape, x.dtype)
-            )
+            shape = jax.ShapeDtypeStruct((x.shape[0], length, *x.shape[2:]), x.dtype)
+            run = lambda p, x: common.run_piece(made, p, x)  # noqa: E731
+            traced = jax.make_jaxpr(run)(made.params, shape)
             return any(s in ((length,), (length, length)) for s in _iota_shapes(traced.jaxpr))
 
         called.clear()
         own = aranges(x.shape[1]) and aranges(x.shape[1] + 1)
         return set(called), own
 
-    x, embed_variables = build(pieces.Embed, tokens)
+    x, embed = build("embed", pieces.Embed, tokens)
     if not (isinstance(x, jax.ShapeDtypeStruct) and x.ndim == 3 and x.shape[:2] == tokens.shape):
         raise ConfigError(
             f"{where} Embed returns {_shape_text(x)} for tokens {_shape_text(tokens)}; it must "
             f"return activations [batch, length, features] {contract}"
         )
-    out, block_variables = build(pieces.Block, x)
+    out, block = build("block", pieces.Block, x)
     sums = out[1] if isinstance(out, tuple) and len(out) == 2 else None
     if not (
         isinstance(out, tuple)
@@ -156,11 +138,11 @@ def check_model(config: common.Config):
             f"{contract}"
         )
     # Contract point 3: the hooks a strategy replaces must be where attention and positions are
-    embed_hooks, embed_own = calls(pieces.Embed, embed_variables, tokens)
-    block_hooks, block_own = calls(pieces.Block, block_variables, x)
+    embed_hooks, embed_own = calls(embed, tokens)
+    block_hooks, block_own = calls(block, x)
     if "attend" not in block_hooks:
         raise ConfigError(
-            f"{where} Block never calls self.attend(q, k, v): attention must go through that "
+            f"{where} Block never calls hooks.attend(q, k, v): attention must go through that "
             "hook, which context_parallel.py replaces with ring attention (each device holds "
             f"pieces of every sequence) {contract}"
         )
@@ -168,34 +150,26 @@ def check_model(config: common.Config):
         if own:
             raise ConfigError(
                 f"{where} {name} makes its own token positions or causal mask (an arange along "
-                "the sequence): take positions from self.positions(length) and attend through "
-                "self.attend, the hooks context_parallel.py replaces, where each device holds "
+                "the sequence): take positions from hooks.positions(length) and attend through "
+                "hooks.attend, the hooks context_parallel.py replaces, where each device holds "
                 f"pieces of every sequence {contract}"
             )
-    logits, head_variables = build(pieces.Head, x)
+    logits, head = build("head", pieces.Head, x)
     wanted = jax.ShapeDtypeStruct((*tokens.shape, config.vocab_size), jnp.float32)
     if _shape_text(logits) != _shape_text(wanted):
         raise ConfigError(
             f"{where} Head returns {_shape_text(logits)}; it must return float32 logits "
             f"{_shape_text(wanted)} (batch, length, --vocab-size) {contract}"
         )
-    # Contract point 4: each piece stores its own parameters, but for what the head ties
-    alone = {
-        name: _parameter_shapes(variables.get("params", {}))
-        for name, variables in (
-            ("embed", embed_variables),
-            ("block_0", block_variables),
-            ("head", head_variables),
-        )
-    }
+    # Contract point 4: what the head ties is the embedding's, alike in both
+    alone = {"embed": _parameter_shapes(embed.params), "head": _parameter_shapes(head.params)}
     for path in pieces.tied:
         for name in ("head", "embed"):
             if path not in alone[name]:
                 raise ConfigError(
-                    f"{where} the head ties {path} to the embedding's, but "
-                    f"{'Head' if name == 'head' else 'Embed'} has no parameter {path}: TIED "
-                    f"names parameters at the same path in both, e.g. the head's "
-                    f'nn.Embed(name="token").attend(x) ties "token/embedding" {contract}'
+                    f"{where} the head ties {path} to the embedding's, but {PIECE[name]} has no "
+                    f"parameter {path}: TIED names parameters at the same path in both, e.g. "
+                    f'the head\'s self.token = nnx.Embed(...) ties "token/embedding" {contract}'
                 )
         if alone["head"][path] != alone["embed"][path]:
             raise ConfigError(
@@ -203,31 +177,9 @@ def check_model(config: common.Config):
                 f"{alone['embed'][path]}: a tied parameter has one shape and one set of axis "
                 f"names {contract}"
             )
-        del alone["head"][path]
-    try:
-        whole = jax.eval_shape(
-            lambda: init_params(
-                make_model(dataclasses.replace(config, layers=1, scan_layers=False)),
-                jax.random.key(0),
-            )
-        )
-    except Exception as error:
-        raise ConfigError(
-            f"{where} the pieces fail when put together: {_failure(error, config.model)} {contract}"
-        ) from None
-    for name, own in alone.items():
-        stored = _parameter_shapes(whole.get(name, {}))
-        if stored != own:
-            moved = sorted(set(own).symmetric_difference(stored))
-            raise ConfigError(
-                f"{where} {dict(embed='Embed', block_0='Block', head='Head')[name]}'s parameter "
-                f"{moved[0] if moved else ''} is not where it is when the piece is built on its "
-                "own, as pipeline.py runs it: the pieces share a module, or a piece names its "
-                "parameters by its place. Only the head may share, the embedding's parameters, "
-                f'through TIED = ("token/embedding",) {contract}'
-            )
 
 
+PIECE = {"embed": "Embed", "block": "Block", "head": "Head"}
 called = []  # the hooks the pieces called while check_model traced them
 
 
@@ -265,14 +217,10 @@ def _iota_shapes(jaxpr) -> list:
 
 
 def _parameter_shapes(params) -> dict:
-    """{path: (shape, logical names)} of a piece's parameters."""
-    leaves = jax.tree_util.tree_leaves_with_path(params, is_leaf=_is_boxed)
+    """{path: (shape, logical names)} of a piece's parameters (an nnx.State of shapes)."""
     return {
-        jax.tree_util.keystr(path, simple=True, separator="/"): (
-            tuple(box.value.shape),
-            getattr(box, "names", None),
-        )
-        for path, box in leaves
+        "/".join(map(str, path)): (tuple(v.get_value().shape), v.get_metadata().get("out_sharding"))
+        for path, v in nnx.to_flat_state(params)
     }
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import flax.linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -114,7 +114,7 @@ def sp_temporaries(model, sequence_parallel, dropout):
     )
     batch = common.batch_shape(config, NamedSharding(mesh, pjit_tp.BATCH_SPEC))
     rules = pjit_tp.SEQUENCE_PARALLEL if sequence_parallel else ()
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
         compiled = step.lower(state, batch).compile()
     return compiled.memory_analysis().temp_size_in_bytes, config
 

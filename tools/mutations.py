@@ -67,8 +67,8 @@ BUGS = [
     ),
     Bug(
         "fsdp.py",
-        'mean = grad.value / lax.axis_size("data")',
-        "mean = grad.value",
+        'mean = grad.get_value() / lax.axis_size("data")',
+        "mean = grad.get_value()",
         "FSDP keeps the reduce-scattered sum of a shard's gradient, not its mean",
         (f"{EQ}::test_matches_single_device_reference[fsdp]",),
     ),
@@ -197,8 +197,8 @@ BUGS = [
     ),
     Bug(
         "common.py",
-        "        dtype=config.dtype,\n        name=name,",
-        "        dtype=jnp.float32,\n        name=name,",
+        "        bias_init=_zeros(names[-1:]),\n        dtype=config.dtype,",
+        "        bias_init=_zeros(names[-1:]),\n        dtype=jnp.float32,",
         "--dtype bfloat16 is ignored by the dense layers: everything computes in float32",
         (
             f"{LESSON}::test_bfloat16_runs_every_matmul_in_bfloat16",
@@ -266,8 +266,8 @@ BUGS = [
     ),
     Bug(
         "common.py",
-        "lambda x: -config.router_bias_rate * jnp.sign(x), load",
-        "lambda x: config.router_bias_rate * jnp.sign(x), load",
+        "optax.scale(-config.router_bias_rate)",
+        "optax.scale(config.router_bias_rate)",
         "the balance bias moves towards the loaded experts (the sign of DeepSeek's rule turned)",
         ("tests/test_experts.py::test_the_bias_moves_against_each_experts_excess_load",),
     ),
@@ -298,7 +298,7 @@ BUGS = [
     ),
     Bug(
         "explicit_sharding.py",
-        'along_sequence(x, None if self.name == "head" else sequence)',
+        'along_sequence(x, None if piece.name == "head" else sequence)',
         "along_sequence(x, None)",
         "--rules tp_sp in the types gathers every piece's input whole: no sequence split "
         "(no number changes)",
@@ -351,8 +351,8 @@ BUGS = [
     ),
     Bug(
         "common.py",
-        'c.experts, use_bias=False, dtype=jnp.float32, kernel_init=init, name="router"',
-        'c.experts, use_bias=False, dtype=c.dtype, kernel_init=init, name="router"',
+        "c.experts, use_bias=False, dtype=jnp.float32, kernel_init=init, rngs=rngs",
+        "c.experts, use_bias=False, dtype=c.dtype, kernel_init=init, rngs=rngs",
         "under --dtype bfloat16 the router computes its logits in bfloat16: which experts a "
         "token goes to hangs on rounding",
         (f"{EXPERTS}::test_the_router_computes_in_float32_under_bfloat16",),

@@ -27,7 +27,6 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
@@ -58,12 +57,13 @@ def cost(length, capacity_factor, routing_only=False, experts=8, top_k=2, d_mode
         top_k=top_k,
         capacity_factor=capacity_factor,
     )
-    moe = common.MoeMlp(config, ROUTING_ONLY if routing_only else common.Hooks())
+    hooks = ROUTING_ONLY if routing_only else common.Hooks()
+    moe = common.PieceDef.of("mlp", common.MoeMlp, config, hooks)  # shapes only
     x = jax.ShapeDtypeStruct((rows, length, d_model), jnp.float32)
-    params = jax.eval_shape(lambda: nn.unbox(moe.init(jax.random.key(0), jnp.zeros(x.shape), True)))
+    params = moe.params
 
     def loss(params, x):
-        out, stats = moe.apply(params, x, True)
+        out, stats = common.run_piece(moe, params, x)
         return jnp.sum(out**2) + stats["aux_loss_sum"]
 
     compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()

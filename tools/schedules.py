@@ -18,7 +18,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -48,10 +47,10 @@ def op_costs(blocks=1, config=None):
     (those gradients, x^T dy per dense layer, from what B kept). Compiled on one device for one
     micro-batch of the default's."""
     config = config or pipeline.Config(layers=blocks, cpu_devices=1)
-    layers, model = blocks, pipeline.common.model_pieces(config)
+    layers, model = blocks, pipeline.common.make_model(config)
     rows, length = config.batch_size // 2 // config.microbatches, config.seq_len
     x = jnp.zeros((rows, length, config.d_model), jnp.dtype(config.dtype))
-    one = nn.unbox(model.Block(config).init(jax.random.key(0), x, True)["params"])
+    one = pipeline.common.init_params(model, jax.random.key(0))["block_0"]
     params = {"blocks": jax.tree.map(lambda p: jnp.stack([p] * layers)[None], one)}
     rng, blocks_of = jax.random.key(1), lambda p: jax.tree.map(lambda a: a[0], p["blocks"])
     calls = pipeline.dense_calls(config, params, x)

@@ -38,7 +38,7 @@ import jax  # noqa: E402
 if __name__ == "__main__":
     jax.config.update("jax_num_cpu_devices", 8)
 
-import flax.linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
@@ -53,8 +53,8 @@ MARKER = re.compile(r"<!-- three-ways:start -->\n.*?<!-- three-ways:end -->", re
 RULES = logical_pjit.RULES["fsdp_tp"]
 
 # ----------------------------------------------------------------------------------------------
-# Manual: FSDP+TP written by hand in shard_map, for the GPT (a model whose layers are nn.Dense
-# and nn.Embed, and whose attention reshapes by --heads: each device runs heads / model of them)
+# Manual: FSDP+TP written by hand in shard_map, for the GPT (a model whose layers are nnx.Linear
+# and nnx.Embed, and whose attention reshapes by --heads: each device runs heads / model of them)
 # ----------------------------------------------------------------------------------------------
 
 
@@ -95,8 +95,9 @@ gather_over_model.defvjp(lambda x: (gather_over_model(x), None), _slice_mine)
 
 def param_specs(config):
     """{parameter path: PartitionSpec}: the rules on the model's logical names."""
+    rules = dict(RULES)
     return {
-        path: nn.logical_to_mesh_axes(box.names, RULES)
+        path: P(*(rules.get(name) for name in box.names))
         for path, box in common.logical_names(config)
     }
 
@@ -110,38 +111,50 @@ def split_over(spec, axis):
 
 
 def megatron(specs):
-    """A Flax interceptor: each nn.Dense and nn.Embed of the GPT on its shards, by hand."""
+    """The `wrap` of the model contract: each nnx.Linear and nnx.Embed of the GPT's pieces on
+    its shards, by hand (its matmul, its lookup)."""
 
-    def intercept(next_fun, args, kwargs, context):
-        module, path = context.module, "/".join(context.module.path)
-        if context.method_name != "__call__":
-            return next_fun(*args, **kwargs)
-        if isinstance(module, nn.Embed) and split_over(specs[f"{path}/embedding"], "model"):
-            # The vocabulary split: each device looks up the tokens in its rows, zeros elsewhere
-            (tokens,) = args
-            table = module.variables["params"]["embedding"].astype(module.dtype)
-            rows = table.shape[0]
-            mine = tokens - lax.axis_index("model") * rows
-            here = (mine >= 0) & (mine < rows)
-            found = jnp.where(here[..., None], table[jnp.clip(mine, 0, rows - 1)], 0)
-            return sum_over_model(found)
-        if isinstance(module, nn.Dense):
-            (x,) = args
-            params = module.variables["params"]
-            kernel, spec = params["kernel"], specs[f"{path}/kernel"]
-            x, kernel, bias = nn.dtypes.promote_dtype(
-                x, kernel, params.get("bias"), dtype=module.dtype
-            )
-            if split_over(spec, "model") == [1]:  # by output columns: x whole, y split
-                y = copy_to_model(x) @ kernel
-                y = y if bias is None else y + bias
-                return gather_over_model(y) if path == "head/out" else y
-            if split_over(spec, "model") == [0]:  # by input rows: x split, partial sums
-                y = sum_over_model(x @ kernel)
-                return y if bias is None else y + bias
-        return next_fun(*args, **kwargs)
+    def wrap(run):
+        def run_on_shards(piece, params, x, rng):
+            module = common.merge(piece, params, rng)
+            place = {"embed": "embed", "block": "block_0", "head": "head"}[piece.name]
+            for path, layer in list(nnx.iter_modules(module)):
+                name = "/".join((place, *map(str, path)))
+                if isinstance(layer, nnx.Linear):
+                    split = split_over(specs[f"{name}/kernel"], "model")
+                    layer.dot_general = functools.partial(matmul, split, name == "head/out")
+                if isinstance(layer, nnx.Embed) and split_over(specs[f"{name}/embedding"], "model"):
+                    explicit_sharding.replace(module, path, VocabularySplit(layer))
+            return module(x, rng is None)
 
-    return intercept
+        return run_on_shards
+
+    return wrap
+
+
+def matmul(split, logits, x, kernel, *args, **kwargs):
+    """A matmul on the 'model' axis' shards: split by output columns (x whole, y split; the
+    logits gathered whole) or by input rows (x split, the partial sums added up)."""
+    if split == [1]:
+        y = lax.dot_general(copy_to_model(x), kernel, *args, **kwargs)
+        return gather_over_model(y) if logits else y  # (no bias: the head's has none)
+    if split == [0]:  # (the bias, whole, added to the sum after it)
+        return sum_over_model(lax.dot_general(x, kernel, *args, **kwargs))
+    return lax.dot_general(x, kernel, *args, **kwargs)
+
+
+class VocabularySplit(nnx.Module):
+    """The vocabulary split: each device looks up the tokens in its rows, zeros elsewhere."""
+
+    def __init__(self, embed):
+        self.embed = embed
+
+    def __call__(self, tokens):
+        table = self.embed.embedding[...].astype(self.embed.dtype)
+        rows = table.shape[0]
+        mine = tokens - lax.axis_index("model") * rows
+        here = (mine >= 0) & (mine < rows)
+        return sum_over_model(jnp.where(here[..., None], table[jnp.clip(mine, 0, rows - 1)], 0))
 
 
 def gathered_over_data(params, specs):
@@ -169,12 +182,10 @@ def manual_step(state, batch, config):
     local = dataclasses.replace(
         config, heads=config.heads // shards, vocab_size=config.vocab_size // shards
     )
-    model = common.make_model(local)
+    model = common.make_model(local, wrap=megatron(specs))
 
-    def apply_fn(variables, *args, **kwargs):
-        with nn.intercept_methods(megatron(specs)):
-            params = gathered_over_data(variables["params"], specs)
-            return model.apply({**variables, "params": params}, *args, **kwargs)
+    def apply_fn(params, tokens, rng=None):
+        return model(gathered_over_data(params, specs), tokens, rng)
 
     grads, metrics = common.accumulate_gradients(
         state.replace(apply_fn=apply_fn), batch, rng, config.microbatches
@@ -261,6 +272,8 @@ LAYOUT = {
             "param_specs",
             "split_over",
             "megatron",
+            "matmul",
+            "VocabularySplit",
             "gathered_over_data",
             "manual_step",
             "global_norm",
@@ -273,8 +286,10 @@ LAYOUT = {
             "make_mesh",
             "axes_of",
             "gather_for_use",
-            "say_where_sums_land",
-            "dropout",
+            "state_layouts",
+            "replace",
+            "matmul",
+            "Lookup",
             "attend_as_queries",
             "explicit_layout",
             "explicit_model",
