@@ -345,12 +345,14 @@ class PieceDef:
 
 
 def seeded(streams, rng):
-    """Dropout streams' state seeded from rng, each stream its own key (nnx.reseed, as data)."""
-    rng, count = jax.random.key(0) if rng is None else rng, itertools.count()
+    """Dropout streams' state seeded from rng, each its own key (nnx.reseed, as data); no rng:
+    a stand-in key, never drawn from."""
+    count = itertools.count()
 
     def seed(s):  # a stream's key, or its count
-        is_key = jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key)
-        return jax.random.fold_in(rng, next(count)) if is_key else jnp.zeros(s.shape, s.dtype)
+        if not jax.dtypes.issubdtype(s.dtype, jax.dtypes.prng_key):
+            return jnp.zeros(s.shape, s.dtype)
+        return jax.random.key(0) if rng is None else jax.random.fold_in(rng, next(count))
 
     return jax.tree.map(seed, streams)
 
@@ -386,6 +388,7 @@ class Model:
 
     def __call__(self, params, tokens, rng=None):
         c, defs, run = self.config, self.defs, self.wrap(run_piece)
+        rng = rng if c.dropout else None  # no dropout: no key to draw from
         key = lambda i: None if rng is None else jax.random.fold_in(rng, i)  # noqa: E731
         x = run(defs["embed"], params["embed"], tokens, key(0))
         block = functools.partial(run, defs["block"])
@@ -417,11 +420,10 @@ def init_params(model: Model, rng):
         return nnx.to_pure_dict(nnx.state(build(piece_class, c, Hooks(), key), nnx.Param))
 
     params = {"embed": made(model.pieces.Embed, keys[0])}
-    params.update({f"block_{i}": made(model.pieces.Block, keys[i + 1]) for i in range(c.layers)})
+    blocks = jax.vmap(lambda key: made(model.pieces.Block, key))(keys[1:-1])  # built once
+    unstacked = {f"block_{i}": jax.tree.map(lambda b, i=i: b[i], blocks) for i in range(c.layers)}
+    params.update({"blocks": blocks} if c.scan_layers else unstacked)  # scanned: [layers, ...]
     params["head"] = without_tied(made(model.pieces.Head, keys[-1]), model.pieces.tied)
-    if c.scan_layers:
-        blocks = [params.pop(f"block_{i}") for i in range(c.layers)]
-        params["blocks"] = jax.tree.map(lambda *b: jnp.stack(b), *blocks)
     return params
 
 
@@ -993,6 +995,7 @@ class Axes(typing.NamedTuple):
     names: tuple  # its axes' logical names (None: unnamed)
 
 
+@functools.cache  # one per config: the scripts' checks read it several times
 def logical_names(config: TrainingConfig) -> list:
     """(path, Axes) of every parameter as the state holds it: blocks scanned on a 'layers' axis."""
     model, found = make_model(config), []
