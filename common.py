@@ -345,8 +345,7 @@ class PieceDef:
 
 
 def seeded(streams, rng):
-    """Dropout streams' state seeded from rng, each its own key (nnx.reseed, as data); no rng:
-    a stand-in key, never drawn from."""
+    """Dropout streams' state, each its own key from rng (nnx.reseed, as data; none: a stand-in)."""
     count = itertools.count()
 
     def seed(s):  # a stream's key, or its count
@@ -373,8 +372,7 @@ def unwrapped(run):
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """The pieces put together as a function of the parameters, each merged with its own as it
-    runs, through `wrap` (fsdp.py gathers them first): TrainState.apply_fn."""
+    """The pieces as one function of the parameters (apply_fn), each piece run through `wrap`."""
 
     config: TrainingConfig
     pieces: Pieces = GPT
@@ -428,8 +426,7 @@ def init_params(model: Model, rng):
 
 
 def from_linen(module_class: type, tokens: bool) -> Callable:
-    """A linen piece, module_class(config, hooks), as an NNX one (nnx.bridge): its parameters
-    made by running it once on tokens (or activations), at linen's paths, their axes named."""
+    """A linen piece, module_class(config, hooks), as an NNX one (nnx.bridge), made on zeros."""
 
     def piece(config, hooks, *, rngs):
         adapted = bridge.ToNNX(module_class(config, Hooks()), rngs=rngs)  # no strategy's hooks
