@@ -275,7 +275,7 @@ class Block(nnx.Module):
     def __call__(self, x, deterministic):
         x = x + self.attn(_whole_sequence(self.ln1(x)), deterministic)
         h = self.mlp(_whole_sequence(self.ln2(x)), deterministic)
-        h, stats = h if isinstance(self.mlp, MoeMlp) else (h, None)
+        h, stats = h if isinstance(h, tuple) else (h, None)  # a mixture's sums
         return constrain(x + h, ("batch", "length", "act_embed")), stats
 
 

@@ -14,7 +14,7 @@ The tests each bug runs are a part of the suite chosen to catch it quickly; ever
 is also in a plain `pytest`, so the whole suite catches it too. Before the bugs, the same tests
 run on the unchanged code and must pass (skip with --no-clean), so that a failure means the bug.
 
-  python tools/mutations.py                 # every bug; about 11 minutes on 2 cores
+  python tools/mutations.py                 # every bug; about 15 minutes on 2 cores
   python tools/mutations.py --only 3 7      # some of them
   python tools/mutations.py --write         # and rewrite the table in docs/mutations.md
   python tools/mutations.py --only 30 --write   # rewrite that bug's row, keep the others
