@@ -366,17 +366,13 @@ def run_piece(piece: PieceDef, params, x, rng=None):
     return merge(piece, params, rng)(x, rng is None)
 
 
-def unwrapped(run):
-    return run  # the default: each piece run as it is
-
-
 @dataclasses.dataclass(frozen=True)
 class Model:
     """The pieces as one function of the parameters (apply_fn), each piece run through `wrap`."""
 
     config: TrainingConfig
     pieces: Pieces = GPT
-    wrap: Callable[[Callable], Callable] = unwrapped  # run_piece -> the same, wrapped
+    wrap: Callable[[Callable], Callable] | None = None  # run_piece -> the same, wrapped
     hooks: Hooks = Hooks()
 
     @functools.cached_property
@@ -385,7 +381,7 @@ class Model:
         return {name: PieceDef.of(name, p, self.config, self.hooks) for name, p in pieces}
 
     def __call__(self, params, tokens, rng=None):
-        c, defs, run = self.config, self.defs, self.wrap(run_piece)
+        c, defs, run = self.config, self.defs, self.wrap(run_piece) if self.wrap else run_piece
         rng = rng if c.dropout else None  # no dropout: no key to draw from
         key = lambda i: None if rng is None else jax.random.fold_in(rng, i)  # noqa: E731
         x = run(defs["embed"], params["embed"], tokens, key(0))
@@ -433,6 +429,8 @@ def from_linen(module_class: type, tokens: bool) -> Callable:
         shape = (1, config.seq_len) + (() if tokens else (config.d_model,))
         adapted.lazy_init(jnp.zeros(shape, jnp.int32 if tokens else config.dtype), True)
         adapted.to_nnx__module = module_class(config, hooks)
+        for _, param in nnx.to_flat_state(nnx.state(adapted, nnx.Param)):  # no linen box: read,
+            param.del_metadata("linen_meta_type")  # one constrains it to its names' layout
         return adapted
 
     return piece
@@ -979,7 +977,7 @@ def why_not_cudnn(config: TrainingConfig) -> str | None:
 # Cached, one model per config, wrap and hooks: the TrainState holds the model's apply method in
 # its tree structure, and a state worked out on shapes (to compile for) must match the real one.
 @functools.cache
-def make_model(config: TrainingConfig, wrap: Callable = unwrapped, hooks: Hooks = Hooks()) -> Model:
+def make_model(config: TrainingConfig, wrap: Callable | None = None, hooks=Hooks()) -> Model:
     """The model --model names, its pieces wrapped by `wrap`, built with `hooks`."""
     if hooks.attend is causal_attention:
         attend = functools.partial(causal_attention, implementation=attention_kernel(config))
