@@ -27,7 +27,6 @@ import numpy as np
 import optax
 from flax import nnx
 from flax.linen import with_logical_constraint as constrain  # rules' layout; none: x
-from flax.nnx import bridge
 from flax.training import train_state
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.experimental import multihost_utils
@@ -83,7 +82,7 @@ class TrainingConfig:
     dtype: str = arg("float32", "compute dtype; parameters stay float32", choices=DTYPES)
     attention: str = arg("auto", "cudnn (fused), xla or auto", choices=("auto", "xla", "cudnn"))
     vocab_size: int = arg(256, "tokens: 50304 as GPT-2; text is read as bytes: 256", min=8)
-    model: str = arg("gpt", "gpt, or a Python file or module of yours with Embed, Block, Head")
+    model: str = arg("gpt", "gpt, or a file or module of yours: Embed, Block, Head, or a Model")
     tie_embeddings: bool = arg(False, "the GPT's head reads the token embedding's table")
     experts: int = arg(0, "mixture of experts: expert MLPs per block and a router", min=0)
     top_k: int = arg(2, "with --experts: the experts each token goes to")
@@ -125,26 +124,25 @@ def check_ranges(c: TrainingConfig):
 # Model. The scripts train any model made of three pieces: the GPT-2-style decoder below, or
 # your own (--model; tools/check.py checks it on shapes alone). Its contract, in Flax NNX:
 #   1. nnx.Modules named Embed, Block and Head, built as Piece(config, hooks, rngs=rngs), called
-#      as piece(x, deterministic): Embed, tokens [batch, length] int32 -> activations [batch,
-#      length, features]; Block, activations -> (activations alike, None or a dict of float32
-#      sums over its rows for the metrics, 'aux_loss_sum' joining the loss); Head, activations
-#      -> float32 logits [batch, length, --vocab-size]. (Linen pieces: from_linen.)
+#      as piece(x): Embed, tokens [batch, length] int32 -> activations [batch, length, features];
+#      Block, activations -> activations alike, or (them, a dict of float32 sums over its rows
+#      for the metrics, 'aux_loss_sum' joining the loss); Head, activations -> float32 logits
+#      [batch, length, --vocab-size]. Or one nnx.Module, Model(config, hooks, rngs=rngs), whose
+#      model(tokens) runs `for block in self.blocks: x = block(x)`: cut there (whole). Linen
+#      pieces come in through nnx.bridge (tests/llama.py).
 #   2. Every parameter names its axes: nnx.with_partitioning(init, names), e.g. ("embed", "mlp").
 #   3. Attention goes through hooks.attend(q, k, v) (q [batch, length, heads, head_dim]; k, v as
 #      many or fewer heads; causal), positions come from hooks.positions(length); a mixture of
 #      experts reaches them through hooks.to_experts or .dropless, its sequence .whole_sequence.
 #   4. Pieces share no parameter but what the head ties to the embedding, at the same path, in
-#      TIED = ("token/embedding",); no state but parameters and nnx.Dropout's (seeded per call).
+#      TIED = ("token/embedding",) (a whole model's head: all it has); no state but parameters
+#      and nnx.Dropout's, seeded per call, off when `deterministic` (as nnx.view sets it).
 # Activations carry logical constraints, inert without a script's rules (sequence parallelism).
 # ----------------------------------------------------------------------------------------------
 
 
 def _init(names, scale=1.0):
     return nnx.with_partitioning(nnx.initializers.normal(0.02 * scale), names)
-
-
-def _zeros(names):
-    return nnx.with_partitioning(nnx.initializers.zeros_init(), names)
 
 
 def _linear(config, features_in, features, names, rngs, scale=1.0, use_bias=True):
@@ -154,7 +152,7 @@ def _linear(config, features_in, features, names, rngs, scale=1.0, use_bias=True
         features,
         use_bias=use_bias,
         kernel_init=_init(names, scale),
-        bias_init=_zeros(names[-1:]),
+        bias_init=nnx.with_partitioning(nnx.initializers.zeros_init(), names[-1:]),
         dtype=config.dtype,
         rngs=rngs,
     )
@@ -167,7 +165,8 @@ def _embed(config, count, names, rngs):
 
 
 def _layer_norm(config, rngs):
-    ones, zeros = nnx.with_partitioning(nnx.initializers.ones_init(), ("norm",)), _zeros(("norm",))
+    ones, zeros = nnx.initializers.ones_init(), nnx.initializers.zeros_init()
+    ones, zeros = (nnx.with_partitioning(init, ("norm",)) for init in (ones, zeros))
     return nnx.LayerNorm(
         config.d_model, dtype=config.dtype, scale_init=ones, bias_init=zeros, rngs=rngs
     )
@@ -188,31 +187,17 @@ def causal_attention(q, k, v, implementation="xla"):
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
-def sequence_positions(length: int):  # context_parallel.py: its pieces' global positions
-    return jnp.arange(length)
-
-
-def this_sequence(x):  # context_parallel.py, whose devices hold pieces of it, gathers them
-    return x
-
-
-def experts_here(experts, x):  # expert_parallel.py: an all-to-all to their devices, and back
-    return experts(x)
-
-
-def dropless_here(mixture, x, expert, gate):  # expert_parallel.py: the same, dropless
-    return mixture(x, expert, gate)
-
-
 @dataclasses.dataclass(frozen=True)
 class Hooks:
     """What a strategy may replace inside a model (context_parallel.py, expert_parallel.py)."""
 
     attend: Callable = causal_attention  # q, k, v -> causal attention's output
-    positions: Callable = sequence_positions  # this device's token count -> their positions
-    to_experts: Callable = experts_here  # (the experts, slots [experts, rows, room, d]) -> out
-    dropless: Callable = dropless_here  # (the experts, x, expert, gate [rows, length, k]) -> out
-    whole_sequence: Callable = this_sequence  # something of this device's tokens -> the sequences'
+    positions: Callable = jnp.arange  # this device's token count -> their positions
+    # (the experts, slots [experts, rows, room, d]) -> out; expert_parallel.py: an all-to-all
+    to_experts: Callable = lambda experts, x: experts(x)
+    # (the experts, x, expert, gate [rows, length, k]) -> out; the same, dropless
+    dropless: Callable = lambda mixture, x, expert, gate: mixture(x, expert, gate)
+    whole_sequence: Callable = lambda x: x  # of this device's tokens -> the sequences'
 
 
 class Embed(nnx.Module):
@@ -222,28 +207,26 @@ class Embed(nnx.Module):
         self.position = _embed(c, c.seq_len, ("pos", "embed"), rngs)
         self.dropout = nnx.Dropout(c.dropout, rngs=rngs)
 
-    def __call__(self, tokens, deterministic):
+    def __call__(self, tokens):
         x = _whole_sequence(self.token(tokens))  # the lookup's partial sums (a split vocabulary)
         x = x + self.position(self.hooks.positions(tokens.shape[1]))
-        x = constrain(x, ("batch", "length", "act_embed"))
-        return self.dropout(x, deterministic=deterministic)
+        return self.dropout(constrain(x, ("batch", "length", "act_embed")))
 
 
 class Attention(nnx.Module):
     def __init__(self, config: TrainingConfig, hooks: Hooks, *, rngs: nnx.Rngs):
         c, self.attend = config, hooks.attend
         self.heads, self.kv_heads = c.heads, c.kv_heads or c.heads
-        head_dim = c.d_model // c.heads
         # One matmul makes every query, key and value, group by group: a key-value head and the
         # query heads that share it ([kv heads, heads / kv heads + 2, head_dim]). Split into equal
         # parts (tensor parallelism), each device gets whole groups. No bias: a key bias adds the
         # same q.b to a query's scores, which softmax ignores (its gradient is zero).
-        width = (c.heads + 2 * self.kv_heads) * head_dim
+        width = (c.heads + 2 * self.kv_heads) * (c.d_model // c.heads)
         self.qkv = _linear(c, c.d_model, width, ("embed", "heads"), rngs, use_bias=False)
         self.out = _linear(c, c.d_model, c.d_model, ("heads", "embed"), rngs, _residual_scale(c))
         self.dropout = nnx.Dropout(c.dropout, rngs=rngs)
 
-    def __call__(self, x, deterministic):
+    def __call__(self, x):
         group = self.heads // self.kv_heads
         qkv = self.qkv(x).reshape(*x.shape[:-1], self.kv_heads, group + 2, -1)
         q, k, v = jnp.split(qkv, [group, group + 1], axis=-2)
@@ -251,7 +234,7 @@ class Attention(nnx.Module):
         heads = ("batch", "length", "act_heads", None)
         q, k, v = (constrain(t, heads) for t in (q, k, v))
         x = constrain(self.attend(q, k, v), heads)
-        return self.dropout(self.out(x.reshape(*x.shape[:-2], -1)), deterministic=deterministic)
+        return self.dropout(self.out(x.reshape(*x.shape[:-2], -1)))
 
 
 class Mlp(nnx.Module):
@@ -259,11 +242,11 @@ class Mlp(nnx.Module):
         c, units = config, width * (config.mlp_dim or 4 * config.d_model)  # width: shared experts
         self.fc1 = _linear(c, c.d_model, units, ("embed", "mlp"), rngs)
         self.fc2 = _linear(c, units, c.d_model, ("mlp", "embed"), rngs, _residual_scale(c))
-        self.dropout = nnx.Dropout(c.dropout, rngs=rngs)
+        self.dropout = nnx.Dropout(c.dropout if width == 1 else 0, rngs=rngs)  # shared: the MoE's
 
-    def __call__(self, x, deterministic):
+    def __call__(self, x):
         h = constrain(nnx.gelu(self.fc1(x)), ("batch", "length", "act_mlp"))
-        return self.dropout(self.fc2(h), deterministic=deterministic)
+        return self.dropout(self.fc2(h))
 
 
 class Block(nnx.Module):
@@ -272,9 +255,9 @@ class Block(nnx.Module):
         self.attn = Attention(config, hooks, rngs=rngs)
         self.mlp = MoeMlp(config, hooks, rngs=rngs) if config.experts else Mlp(config, rngs=rngs)
 
-    def __call__(self, x, deterministic):
-        x = x + self.attn(_whole_sequence(self.ln1(x)), deterministic)
-        h = self.mlp(_whole_sequence(self.ln2(x)), deterministic)
+    def __call__(self, x):
+        x = x + self.attn(_whole_sequence(self.ln1(x)))
+        h = self.mlp(_whole_sequence(self.ln2(x)))
         h, stats = h if isinstance(h, tuple) else (h, None)  # a mixture's sums
         return constrain(x + h, ("batch", "length", "act_embed")), stats
 
@@ -287,7 +270,7 @@ class Head(nnx.Module):
         else:
             self.out = _linear(c, c.d_model, c.vocab_size, ("embed", "vocab"), rngs, use_bias=False)
 
-    def __call__(self, x, deterministic):  # the signature of every piece, so one wrap fits all
+    def __call__(self, x):
         x = _whole_sequence(self.ln_f(x))
         if hasattr(self, "token"):
             # x @ table.T as one contraction: nnx.Embed.attend's transposed copy would be kept
@@ -295,15 +278,14 @@ class Head(nnx.Module):
             logits = jnp.einsum("...d,vd->...v", x, self.token.embedding[...].astype(x.dtype))
         else:
             logits = self.out(x)
-        # The loss is computed in float32 whatever the compute dtype.
         return constrain(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
 
 
 class Pieces(typing.NamedTuple):
-    Embed: type
-    Block: type
-    Head: type
-    tied: tuple = ()  # the head's parameters that are the embedding's: their paths in both
+    Embed: Callable  # a class, or a function building one, as Piece(config, hooks, rngs=rngs)
+    Block: Callable
+    Head: Callable
+    tied: tuple | str = ()  # the head's parameters that are the embedding's: paths, or "all"
 
 
 GPT = Pieces(Embed, Block, Head)
@@ -313,12 +295,6 @@ def with_tied(head_params, embed_params, tied):
     """The head's parameters with those it ties: their gradient the sum of both uses."""
     head, embed = (flatten_dict(p, sep="/") for p in (head_params, embed_params))
     return unflatten_dict({**head, **{path: embed[path] for path in tied}}, sep="/")
-
-
-def without_tied(head_params, tied):
-    """The head's parameters less the tied ones, which are stored in the embedding."""
-    head = flatten_dict(head_params, sep="/")
-    return unflatten_dict({path: x for path, x in head.items() if path not in tied}, sep="/")
 
 
 def build(piece_class, config, hooks, rng):
@@ -338,10 +314,8 @@ class PieceDef:
 
     @classmethod
     def of(cls, name, piece_class, config, hooks):
-        def split():
-            return nnx.split(build(piece_class, config, hooks, jax.random.key(0)), nnx.Param, ...)
-
-        return cls(name, *jax.eval_shape(split))
+        built = lambda: build(piece_class, config, hooks, jax.random.key(0))  # noqa: E731
+        return cls(name, *jax.eval_shape(lambda: nnx.split(built(), nnx.Param, ...)))
 
 
 def seeded(streams, rng):
@@ -358,12 +332,52 @@ def seeded(streams, rng):
 
 def merge(piece: PieceDef, params, rng=None):
     """The piece as a module holding `params` (a dict, nnx.State's pure form), dropout from rng."""
-    return nnx.merge(piece.graphdef, params, seeded(piece.streams, rng))
+    module = nnx.merge(piece.graphdef, params, seeded(piece.streams, rng))
+    module.set_attributes(deterministic=rng is None, raise_if_not_found=False)  # no key: no drop
+    return module
 
 
 def run_piece(piece: PieceDef, params, x, rng=None):
     """A piece on x given its parameters; dropout with a key (rng), none without."""
-    return merge(piece, params, rng)(x, rng is None)
+    return call(piece, merge(piece, params, rng), x)
+
+
+def call(piece: PieceDef, module, x):
+    """The merged piece on x; a block's output with its sums (None if it returns none)."""
+    out = module(x)
+    return (out, None) if piece.name == "block" and not isinstance(out, tuple) else out
+
+
+class _Reached(Exception):
+    """Raised by a whole model's first block: the activations its embedding made."""
+
+
+def _reached(x, *_):
+    raise _Reached(x)
+
+
+def whole(model_class) -> Pieces:
+    """A model written whole, Model(config, hooks, rngs=rngs), cut at its blocks into pieces."""
+
+    class Top(model_class):  # the model less its blocks: up to the first (Embed), or after them
+        def __init__(self, config, hooks, *, rngs):
+            super().__init__(config, hooks, rngs=rngs)
+            del self.blocks  # each a piece of its own
+
+        def __call__(self, x):  # tokens (Embed), or the blocks' output (Head: what ran before
+            tokens = x.ndim == 2  # the blocks, the embedding's lookup, is dead code)
+            self.blocks = [_reached if tokens else lambda *_: x]
+            try:
+                return super().__call__(x if tokens else jnp.zeros(x.shape[:2], jnp.int32))
+            except _Reached as reached:
+                return reached.args[0]
+            finally:
+                del self.blocks
+
+    def block(config, hooks, *, rngs):
+        return model_class(config, hooks, rngs=rngs).blocks[0]
+
+    return Pieces(Top, block, Top, "all")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,6 +393,13 @@ class Model:
     def defs(self) -> dict:
         pieces = zip(("embed", "block", "head"), self.pieces[:3], strict=True)
         return {name: PieceDef.of(name, p, self.config, self.hooks) for name, p in pieces}
+
+    @functools.cached_property
+    def tied(self) -> tuple:
+        """The paths of the head's parameters that the embedding holds."""
+        if self.pieces.tied != "all":
+            return self.pieces.tied
+        return tuple(flatten_dict(nnx.to_pure_dict(self.defs["head"].params), sep="/"))
 
     def __call__(self, params, tokens, rng=None):
         c, defs, run = self.config, self.defs, self.wrap(run_piece) if self.wrap else run_piece
@@ -398,11 +419,11 @@ class Model:
                 x, more = block(params[f"block_{i}"], x, key(i + 1))
                 stats = more if stats is None else jax.tree.map(jnp.add, stats, more)
         head = params["head"]
-        if self.pieces.tied:  # the embedding's tables, read by the head as its own
+        if self.tied:  # the embedding's tables, read by the head as its own
             # A barrier ties it to the head's input, so the compiler cannot merge the head's use
             # with the lookup's: under fsdp.py each use gathers the table, not one kept all step.
             embedding, x = jax.lax.optimization_barrier((params["embed"], x))
-            head = with_tied(head, embedding, self.pieces.tied)
+            head = with_tied(head, embedding, self.tied)
         return run(defs["head"], head, x, key(c.layers + 1)), stats or {}
 
 
@@ -417,23 +438,9 @@ def init_params(model: Model, rng):
     blocks = jax.vmap(lambda key: made(model.pieces.Block, key))(keys[1:-1])  # built once
     unstacked = {f"block_{i}": jax.tree.map(lambda b, i=i: b[i], blocks) for i in range(c.layers)}
     params.update({"blocks": blocks} if c.scan_layers else unstacked)  # scanned: [layers, ...]
-    params["head"] = without_tied(made(model.pieces.Head, keys[-1]), model.pieces.tied)
+    head = flatten_dict(made(model.pieces.Head, keys[-1]), sep="/")  # less what the embedding holds
+    params["head"] = unflatten_dict({p: x for p, x in head.items() if p not in model.tied}, sep="/")
     return params
-
-
-def from_linen(module_class: type, tokens: bool) -> Callable:
-    """A linen piece, module_class(config, hooks), as an NNX one (nnx.bridge), made on zeros."""
-
-    def piece(config, hooks, *, rngs):
-        adapted = bridge.ToNNX(module_class(config, Hooks()), rngs=rngs)  # no strategy's hooks
-        shape = (1, config.seq_len) + (() if tokens else (config.d_model,))
-        adapted.lazy_init(jnp.zeros(shape, jnp.int32 if tokens else config.dtype), True)
-        adapted.to_nnx__module = module_class(config, hooks)
-        for _, param in nnx.to_flat_state(nnx.state(adapted, nnx.Param)):  # no linen box: read,
-            param.del_metadata("linen_meta_type")  # one constrains it to its names' layout
-        return adapted
-
-    return piece
 
 
 # ----------------------------------------------------------------------------------------------
@@ -697,7 +704,7 @@ class MoeMlp(nnx.Module):
             self.shared = Mlp(c, c.shared_experts, rngs=rngs)
         self.dropout = nnx.Dropout(c.dropout, rngs=rngs)
 
-    def __call__(self, x, deterministic):
+    def __call__(self, x):
         c = self.config
         rows, length, _ = x.shape
         probs = jax.nn.softmax(self.router(x.astype(jnp.float32)))  # [rows, length, experts]
@@ -714,7 +721,7 @@ class MoeMlp(nnx.Module):
             out = self.hooks.dropless(mixture, x, expert, gate)
             per_expert = chosen.sum((0, 1, 2))
         if c.shared_experts:
-            out = out + self.shared(x, deterministic=True)
+            out = out + self.shared(x)
         # Load balance (Switch Transformer, eq. 4, per sequence): experts x sum over experts of
         # (share of the sequence's choices it got) x (its mean router probability); 1 when even.
         # Counted once per token, so that it adds up like the cross-entropy.
@@ -728,12 +735,8 @@ class MoeMlp(nnx.Module):
             load = chosen.sum((0, 1, 2)) / c.top_k - rows * length / c.experts
             aux_loss_sum = aux_loss_sum + load_of(self.router_bias[...], load)
         dropped = rows * length * c.top_k - per_expert.sum()
-        stats = {
-            "aux_loss_sum": aux_loss_sum,
-            "expert_tokens": per_expert,
-            "dropped_tokens": dropped,
-        }
-        return self.dropout(out, deterministic=deterministic), stats
+        stats = dict(aux_loss_sum=aux_loss_sum, expert_tokens=per_expert, dropped_tokens=dropped)
+        return self.dropout(out), stats
 
     def with_capacity(self, x, chosen, gate):
         """The tokens each expert has room for, through it (dispatch, combine); the tokens taken."""
@@ -926,15 +929,16 @@ def _model_pieces(name: str) -> Pieces:
     if name == "gpt":  # the one built in
         return GPT
     module = import_yours(name, "model")
+    if not hasattr(module, "Embed") and isinstance(getattr(module, "Model", None), type):
+        return whole(module.Model)  # written whole
     pieces = [getattr(module, piece, None) for piece in Pieces._fields[:3]]
     missing = [n for n, p in zip(Pieces._fields, pieces, strict=False) if not isinstance(p, type)]
     require(not missing, "model", f"{name} defines no {', '.join(missing)}, e.g. --model gpt")
-    linen = sys.modules.get("flax.linen")  # imported by a model file that uses it
     for field, piece in zip(Pieces._fields, pieces, strict=False):
-        ok = issubclass(piece, nnx.Module) or bool(linen) and issubclass(piece, linen.Module)
-        require(ok, "model", f"{name}: {field} is no nnx.Module: subclass it (model contract)")
-    if not issubclass(pieces[0], nnx.Module):  # linen's, all three
-        pieces = [from_linen(p, p is pieces[0]) for p in pieces]
+        linen = "linen's through nnx.bridge, as tests/llama.py"
+        require(
+            issubclass(piece, nnx.Module), "model", f"{name}: {field} is no nnx.Module ({linen})"
+        )
     return Pieces(*pieces, getattr(module, "TIED", ()))
 
 
@@ -974,11 +978,9 @@ def why_not_cudnn(config: TrainingConfig) -> str | None:
     return None
 
 
-# Cached, one model per config, wrap and hooks: the TrainState holds the model's apply method in
-# its tree structure, and a state worked out on shapes (to compile for) must match the real one.
-@functools.cache
+@functools.cache  # one per config, wrap and hooks: a state on shapes must match the real one's
 def make_model(config: TrainingConfig, wrap: Callable | None = None, hooks=Hooks()) -> Model:
-    """The model --model names, its pieces wrapped by `wrap`, built with `hooks`."""
+    """The model --model names (the TrainState's apply_fn), each piece run through `wrap`."""
     if hooks.attend is causal_attention:
         attend = functools.partial(causal_attention, implementation=attention_kernel(config))
         hooks = dataclasses.replace(hooks, attend=attend)
@@ -1160,7 +1162,7 @@ def flops_per_token(config: TrainingConfig, params) -> int:
     leaves = jax.tree_util.tree_leaves_with_path(params)
     tables = sum(x.size for path, x in leaves if getattr(path[-1], "key", None) == "embedding")
     # A table the head ties is also its matmul's kernel
-    tied = [f"embed/{path}" for path in model_pieces(config).tied]
+    tied = [f"embed/{path}" for path in make_model(config).tied if path.endswith("embedding")]
     tables -= sum(box.value.size for path, box in logical_names(config) if path in tied)
     experts = sum(box.value.size for _, box in logical_names(config) if "expert" in box.names)
     unused = experts - experts * config.top_k // config.experts if experts else 0

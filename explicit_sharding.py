@@ -279,6 +279,9 @@ class Lookup(nnx.Module):
             return reshard(looked_up, P(spec[0], self.sequence, features))
         return looked_up
 
+    def attend(self, query):  # a tied head's product with the table, as nnx.Embed's
+        return self.embed.attend(query)
+
 
 class WholeSequence(nnx.Module):
     """A mixture of experts given whole sequences, its output split along them again."""
@@ -286,8 +289,8 @@ class WholeSequence(nnx.Module):
     def __init__(self, mixture, sequence):
         self.mixture, self.sequence = mixture, sequence
 
-    def __call__(self, x, deterministic):
-        out, stats = self.mixture(along_sequence(x, None), deterministic)
+    def __call__(self, x):
+        out, stats = self.mixture(along_sequence(x, None))
         return along_sequence(out, self.sequence), stats
 
 
@@ -317,7 +320,7 @@ def attend_as_queries(q, k, v, attend):
     return attend(q, reshard(k, spec), reshard(v, spec))
 
 
-def laid_out_inside(module, x, deterministic, batch_axes):
+def laid_out_inside(module, x, batch_axes):
     """A linen piece (flax.nnx.bridge): its layers out of sight of state_layouts, so inside it
     the compiler lays out what explicit mode will not guess (jax.sharding.auto_axes: Auto axes,
     as pjit_tp.py's), between explicit layouts at its edges: its activations' rows split over
@@ -326,7 +329,7 @@ def laid_out_inside(module, x, deterministic, batch_axes):
     returns_pair = []
 
     def run(state, x):
-        out = nnx.merge(graphdef, state)(x, deterministic)
+        out = nnx.merge(graphdef, state)(x)
         returns_pair.append(isinstance(out, tuple))  # a block's (activations, sums)
         return out if returns_pair[0] else (out, None)
 
@@ -343,13 +346,13 @@ def explicit_layout(batch_axes, sequence=None):
         def run_explicit(piece, params, x, rng):
             module = common.merge(piece, gather_for_use(params, batch_axes), rng)
             if any(isinstance(m, bridge.ToNNX) for _, m in nnx.iter_modules(module)):
-                return laid_out_inside(module, x, rng is None, batch_axes)
+                return laid_out_inside(module, x, batch_axes)
             state_layouts(module, sequence)
             if sequence and jnp.issubdtype(x.dtype, jnp.floating):  # the residual stream
                 # split along the sequence; the head's input gathered whole, for whatever
                 # contraction makes its logits (a tied table's is no nnx.Linear)
                 x = along_sequence(x, None if piece.name == "head" else sequence)
-            return module(x, rng is None)
+            return common.call(piece, module, x)
 
         return run_explicit
 

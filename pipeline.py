@@ -502,7 +502,7 @@ def stage_forward(params, x, tokens, rng, config, v=0, deltas=None):
     virtual = jax.tree.leaves(params["blocks"])[0].shape[0]
     # Which group of the model's layers: 0 first, virtual * stages - 1 last
     chunk = v * stages + stage
-    model = common.make_model(config)  # its pieces: model.defs, model.pieces.tied
+    model = common.make_model(config)  # its pieces: model.defs, model.tied
     rng = rng if config.dropout > 0 else None  # dropout given a key, none without
 
     def embed():
@@ -516,7 +516,7 @@ def stage_forward(params, x, tokens, rng, config, v=0, deltas=None):
     def loss():
         # A tied head reads the embedding's table: the first and last stages both hold it, and
         # the sum of its gradients over 'stage' adds up the two uses (scatter_embed_and_head).
-        head = common.with_tied(params["head"], params["embed"], model.pieces.tied)
+        head = common.with_tied(params["head"], params["embed"], model.tied)
         logits = common.run_piece(model.defs["head"], head, x, rng)
         return common.cross_entropy(logits, tokens[:, 1:]).sum()
 
@@ -538,7 +538,7 @@ def run_blocks(blocks, x, rng, config, chunk=0, deltas=None):
         kept = []
         if deltas:
             keep_dense(module, delta, kept)
-        x, stats = module(x, rng is None)
+        x, stats = common.call(piece, module, x)
         return x, (stats, [x_in for _, x_in, _ in kept])
 
     layers = jax.tree.leaves(blocks)[0].shape[0]
@@ -574,7 +574,7 @@ def dense_calls(config, params, activation):
     def run():
         block = common.merge(common.make_model(config).defs["block"], block_params)
         keep_dense(block, None, calls)
-        block(activation, True)
+        block(activation)
         return [(x, y) for _, x, y in calls]
 
     shapes = jax.eval_shape(run)

@@ -405,14 +405,30 @@ def test_a_tied_head_matches(name, model, monkeypatch):
     compare(name, run(name, **flags), reference(**flags, **model_flags(name)), flags)
 
 
-@pytest.mark.parametrize("name", matrix(DENSE, ["fsdp", "pipeline_1f1b"]))
+# -m full: its blocks and embedding train under pipeline.py in every pytest, in tests/tied_llama.py
+@pytest.mark.parametrize("name", matrix(DENSE, []))
 def test_an_nnx_model_matches(name, monkeypatch):
-    """tests/nnx_llama.py, the Llama written in Flax NNX (its pieces adapted by
-    common.from_nnx, their axis names read from nnx.with_partitioning), through every script
-    and preset, against one device training it."""
+    """tests/nnx_llama.py, the Llama written as three Flax NNX pieces (their axis names read from
+    nnx.with_partitioning), through every script and preset, against one device training it."""
     monkeypatch.setattr(pjit_tp, "PARAM_SPECS", LLAMA_SPECS + pjit_tp.PARAM_SPECS)
     flags = {"model": "tests.nnx_llama"}
     compare(name, run_uncached(name, **flags), reference(**flags, **model_flags(name)), flags)
+
+
+# tests/docs_model.py: a model written whole as the Flax guides write one (a list of blocks,
+# GQA, a tied head), 11 lines from tests/docs_model_as_written.py. Every pytest: the scripts that
+# cut it apart (FSDP's gathers per piece, a pipeline's stages) and context parallelism's hooks.
+DOCS = {"model": "tests.docs_model", "kv_heads": 2}
+
+
+@pytest.mark.parametrize("name", matrix(DENSE, ["fsdp", "pipeline_1f1b", "context_parallel"]))
+def test_a_model_written_whole_matches(name, monkeypatch):
+    """tests/docs_model.py, cut at its blocks (common.whole), through every script and preset
+    (pjit_tp.py with the entries it suggests), against one device training it."""
+    missing, _ = pjit_tp.uncovered(pjit_tp.Config(**{**SMALL, **DOCS}))
+    entries = tuple((pattern, eval(spec, {"P": P})) for pattern, (*_, spec) in missing.items())
+    monkeypatch.setattr(pjit_tp, "PARAM_SPECS", entries + pjit_tp.PARAM_SPECS)
+    compare(name, run_uncached(name, **DOCS), reference(**DOCS, **model_flags(name)), DOCS)
 
 
 def test_dropless_trains_as_a_capacity_with_room_for_every_token():

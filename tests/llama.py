@@ -3,8 +3,9 @@
 It differs from common.py's GPT where real models differ: RMSNorm without biases, rotary
 position embeddings in place of a learned table, a SwiGLU MLP, no biases anywhere, an untied
 head, and grouped-query attention (two query heads share each key/value head). It keeps the
-model contract of common.py and nothing more: three Pieces, logical axis names on every
-parameter, attention through self.attend and positions through self.positions. Train it with
+model contract of common.py and nothing more: three pieces (linen's, each brought in through
+flax.nnx.bridge at the end of this file), logical axis names on every parameter, attention
+through self.attend and positions through self.positions. Train it with
 any script: python fsdp.py --model tests/llama.py
 """
 
@@ -13,6 +14,10 @@ import typing
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
+from flax.nnx import bridge
+
+import common
 
 
 GROUP = 2  # query heads per key/value head
@@ -70,7 +75,7 @@ class Piece(nn.Module):
     positions = property(lambda self: self.hooks.positions)
 
 
-class Embed(Piece):
+class LinenEmbed(Piece):
     @nn.compact
     def __call__(self, tokens, deterministic):
         c = self.config
@@ -85,7 +90,7 @@ class Embed(Piece):
         return residual_stream(x)
 
 
-class Block(Piece):
+class LinenBlock(Piece):
     @nn.compact
     def __call__(self, x, deterministic):
         c = self.config
@@ -120,10 +125,43 @@ class Block(Piece):
         return residual_stream(x), None
 
 
-class Head(Piece):
+class LinenHead(Piece):
     @nn.compact
     def __call__(self, x, deterministic):
         logits = _dense(self.config, self.config.vocab_size, ("embed", "vocab"), "out")(
             whole_sequence(RMSNorm(name="norm")(x))
         )
         return logits.astype(jnp.float32)
+
+
+# The scripts take NNX pieces (common.py's model contract): each linen piece comes in through
+# flax.nnx.bridge, made on zeros, called as piece(x), its dropout off when `deterministic` is set.
+class Bridged(bridge.ToNNX):
+    to_nnx__deterministic = True  # to_nnx__: not one of linen's variables
+    deterministic = property(
+        lambda self: self.to_nnx__deterministic,
+        lambda self, value: setattr(self, "to_nnx__deterministic", value),
+    )
+
+    def __init__(self, config, hooks, *, rngs):
+        super().__init__(self.linen(config, common.Hooks()), rngs=rngs)  # a strategy's: later
+        shape = (1, config.seq_len) + (() if self.linen is LinenEmbed else (config.d_model,))
+        self.lazy_init(jnp.zeros(shape, jnp.int32 if len(shape) == 2 else config.dtype))
+        self.to_nnx__module = self.linen(config, hooks)
+        for _, param in nnx.to_flat_state(nnx.state(self, nnx.Param)):  # no linen box: read,
+            param.del_metadata("linen_meta_type")  # one constrains it to its names' layout
+
+    def __call__(self, x):
+        return super().__call__(x, self.deterministic)
+
+
+class Embed(Bridged):
+    linen = LinenEmbed
+
+
+class Block(Bridged):
+    linen = LinenBlock
+
+
+class Head(Bridged):
+    linen = LinenHead

@@ -1,7 +1,7 @@
 """tests/llama.py written in Flax NNX: the same decoder, as a user of NNX writes it.
 
 Each piece is an nnx.Module built as Piece(config, hooks, rngs=rngs) and called as
-piece(x, deterministic); every parameter names its axes with nnx.with_partitioning, which the
+piece(x); every parameter names its axes with nnx.with_partitioning, which the
 scripts read as logical names; attention goes through hooks.attend(q, k, v)
 and positions come from hooks.positions(length). Nothing else is asked. Train it with any
 script: python fsdp.py --model tests/nnx_llama.py
@@ -52,8 +52,8 @@ class Embed(nnx.Module):
         )
         self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
 
-    def __call__(self, tokens, deterministic):
-        return self.dropout(self.token(tokens), deterministic=deterministic)
+    def __call__(self, tokens):
+        return self.dropout(self.token(tokens))
 
 
 class Block(nnx.Module):
@@ -72,7 +72,7 @@ class Block(nnx.Module):
         self.down = _dense(c, hidden, c.d_model, ("mlp", "embed"), rngs, residual)
         self.dropout = nnx.Dropout(c.dropout, rngs=rngs)
 
-    def __call__(self, x, deterministic):
+    def __call__(self, x):
         h = self.attn_norm(x)
         q = self.q(h).reshape(*h.shape[:-1], self.heads, self.head_dim)
         kv = self.kv(h).reshape(*h.shape[:-1], self.heads // GROUP, 2, self.head_dim)
@@ -81,10 +81,10 @@ class Block(nnx.Module):
         q, k = rotary(q, positions), rotary(k, positions)
         k, v = (jnp.repeat(t, GROUP, axis=2) for t in (k, v))  # each key/value head to its group
         attended = self.hooks.attend(q, k, v).reshape(x.shape)
-        x = x + self.dropout(self.o(attended), deterministic=deterministic)
+        x = x + self.dropout(self.o(attended))
         h = self.mlp_norm(x)
         gated = nnx.silu(self.gate(h)) * self.up(h)
-        return x + self.dropout(self.down(gated), deterministic=deterministic), None
+        return x + self.dropout(self.down(gated))
 
 
 class Head(nnx.Module):
@@ -92,5 +92,5 @@ class Head(nnx.Module):
         self.norm = RMSNorm(config.d_model, rngs)
         self.out = _dense(config, config.d_model, config.vocab_size, ("embed", "vocab"), rngs)
 
-    def __call__(self, x, deterministic):
+    def __call__(self, x):
         return self.out(self.norm(x)).astype(jnp.float32)

@@ -22,7 +22,7 @@ def functional(make):
     and those."""
     with nnx.use_eager_sharding(False):  # no mesh here
         graphdef, params, rest = nnx.split(make(), nnx.Param, ...)
-    return lambda params, x: nnx.merge(graphdef, params, rest)(x, True), nnx.to_pure_dict(params)
+    return lambda params, x: nnx.merge(graphdef, params, rest)(x), nnx.to_pure_dict(params)
 
 
 def mixture(capacity_factor, same_experts=False, hooks=None, **flags):

@@ -3,6 +3,7 @@
 (one line each, before anything is compiled), a layout table that forgets a parameter, and
 a local text file as the data. (Its equivalence with one device is in test_equivalence.py.)"""
 
+import difflib
 import json
 import re
 import shutil
@@ -12,9 +13,11 @@ import sys
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import common
 import pjit_tp
+from tests import docs_model, docs_model_as_written
 from tools import check
 from tests.harness import ROOT, SCRIPTS, SMALL, TINY, copy_alone, run_script, run_uncached
 
@@ -92,6 +95,36 @@ def test_pjit_tp_says_what_a_suggested_entry_keeps_whole(tmp_path):
     ) in whole
 
 
+def code(path):
+    """A Python file's lines, its module docstring left out."""
+    text = path.read_text()
+    return text[text.index('"""', 3) + 3 :].splitlines()
+
+
+def test_a_model_written_as_the_flax_guides_write_one_comes_in_with_few_changes():
+    """tests/docs_model.py is tests/docs_model_as_written.py (a list of blocks, RMSNorm, rotary
+    positions, GQA, a tied head) with at most 15 lines of code changed for the contract, and both
+    run: the one as written on its own, the other cut at its blocks into the same function."""
+    written, adapted = (code(ROOT / "tests" / f"docs_model{s}.py") for s in ("_as_written", ""))
+    diff = difflib.unified_diff(written, adapted, lineterm="", n=0)
+    changed = [line for line in diff if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+    assert len([line for line in changed if line[0] == "+"]) <= 15, changed
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
+    with nnx.use_eager_sharding(False):
+        alone = docs_model_as_written.Model(docs_model_as_written.ModelConfig(), rngs=nnx.Rngs(0))
+        assert alone(tokens).shape == (2, 16, 256)
+        config = common.Config(**{**SMALL, "model": "tests.docs_model", "kv_heads": 2})
+        model = common.make_model(config)
+        params = common.init_params(model, jax.random.key(0))
+        whole = docs_model.Model(config, model.hooks, rngs=nnx.Rngs(0))
+    assert model.tied == ("embed/embedding", "norm/scale") and params["head"] == {}
+    blocks = {i: params[f"block_{i}"] for i in range(config.layers)}
+    state = nnx.state(whole, nnx.Param)
+    nnx.replace_by_pure_dict(state, {**params["embed"], "blocks": blocks})
+    nnx.update(whole, state)
+    np.testing.assert_array_equal(model(params, tokens)[0], whole(tokens))
+
+
 NNX_LLAMA = (ROOT / "tests" / "nnx_llama.py").read_text()
 
 
@@ -107,7 +140,7 @@ BREACHES = [
         ("class Block(nnx.Module)", "class Layer(nnx.Module)"),
         "defines no Block, e.g. --model gpt",
     ),
-    (("class Head(nnx.Module)", "class Head"), "Head is no nnx.Module: subclass it"),
+    (("class Head(nnx.Module)", "class Head"), "Head is no nnx.Module (linen's through nnx.bridge"),
     (
         ('out_sharding=("norm",)', ""),
         "Block's parameter attn_norm/scale has no logical axis names: declare it with "
@@ -118,8 +151,11 @@ BREACHES = [
         "Embed's parameter token/embedding has 2 axes but names",
     ),
     (
-        ("deterministic=deterministic), None\n", "deterministic=deterministic)\n"),
-        "Block returns float32[2, 16, 32] for activations",
+        (
+            "return x + self.dropout(self.down(gated))",
+            "return (x + self.down(gated)).astype(jnp.bfloat16)",
+        ),
+        "Block returns bfloat16[2, 16, 32] for activations float32[2, 16, 32]",
     ),
     (
         ("norm(x)).astype(jnp.float32)", "norm(x)).astype(jnp.float32)[..., :-1]"),
@@ -163,7 +199,7 @@ def refused(model, capsys, *flags):
 
 
 def test_the_checker_passes_the_tests_models(capsys):
-    for model in ("gpt", "tests.llama", "tests.tied_llama", "tests.nnx_llama"):
+    for model in ("gpt", "tests.llama", "tests.tied_llama", "tests.nnx_llama", "tests.docs_model"):
         check.main([*TINY, "--model", model])
         assert capsys.readouterr().out.startswith(f"--model {model} keeps the scripts' contract\n")
 

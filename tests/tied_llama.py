@@ -23,5 +23,5 @@ class Head(nnx.Module):
             rngs=rngs,
         )
 
-    def __call__(self, x, deterministic):
+    def __call__(self, x):
         return self.token.attend(self.norm(x)).astype(jnp.float32)

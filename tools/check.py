@@ -59,7 +59,9 @@ def check_model_file(config: Config):
     """What a model file declares: Embed, Block and Head modules (common.model_pieces checks),
     a TIED of paths."""
     tied, where = common.model_pieces(config).tied, f"--model {config.model}:"
-    if not (isinstance(tied, tuple) and all(isinstance(p, str) and p for p in tied)):
+    if tied != "all" and not (
+        isinstance(tied, tuple) and all(isinstance(p, str) and p for p in tied)
+    ):
         raise ConfigError(
             f"{where} TIED is {tied!r}; it must be a tuple of the paths of the head's parameters "
             'that are the embedding\'s, e.g. TIED = ("token/embedding",)'
@@ -81,7 +83,7 @@ def check_model(config: common.Config):
         except Exception as error:  # e.g. a piece that takes other arguments
             raise ConfigError(
                 f"{where} {PIECE[name]} fails when built as {PIECE[name]}(config, hooks, "
-                f"rngs=rngs) and called as piece(x, deterministic) on its own, as pipeline.py "
+                f"rngs=rngs) and called as piece(x) on its own, as pipeline.py "
                 f"runs each piece: {_failure(error, config.model)} {contract}"
             ) from None
         for path, (shape, names) in _parameter_shapes(made.params).items():
@@ -133,9 +135,9 @@ def check_model(config: common.Config):
         )
     ):
         raise ConfigError(
-            f"{where} Block returns {_shape_text(out)} for activations {_shape_text(x)}; it must "
-            "return (activations of the same shape and dtype, None or a dict of float32 sums) "
-            f"{contract}"
+            f"{where} Block returns {_shape_text(out[0] if sums is None else out)} for "
+            f"activations {_shape_text(x)}; it must return activations of the same shape and "
+            f"dtype, or (them, a dict of float32 sums) {contract}"
         )
     # Contract point 3: the hooks a strategy replaces must be where attention and positions are
     embed_hooks, embed_own = calls(embed, tokens)
@@ -163,7 +165,7 @@ def check_model(config: common.Config):
         )
     # Contract point 4: what the head ties is the embedding's, alike in both
     alone = {"embed": _parameter_shapes(embed.params), "head": _parameter_shapes(head.params)}
-    for path in pieces.tied:
+    for path in tuple(alone["head"]) if pieces.tied == "all" else pieces.tied:
         for name in ("head", "embed"):
             if path not in alone[name]:
                 raise ConfigError(
@@ -196,9 +198,9 @@ def _probe(name, hook):
 PROBES = common.Hooks(
     attend=_probe("attend", lambda q, k, v: q),
     positions=_probe("positions", lambda length: jnp.cumsum(jnp.ones(length, jnp.int32)) - 1),
-    to_experts=_probe("to_experts", common.experts_here),
-    dropless=_probe("dropless", common.dropless_here),
-    whole_sequence=_probe("whole_sequence", common.this_sequence),
+    to_experts=_probe("to_experts", common.Hooks.to_experts),
+    dropless=_probe("dropless", common.Hooks.dropless),
+    whole_sequence=_probe("whole_sequence", common.Hooks.whole_sequence),
 )
 
 

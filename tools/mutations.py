@@ -197,8 +197,8 @@ BUGS = [
     ),
     Bug(
         "common.py",
-        "        bias_init=_zeros(names[-1:]),\n        dtype=config.dtype,",
-        "        bias_init=_zeros(names[-1:]),\n        dtype=jnp.float32,",
+        "zeros_init(), names[-1:]),\n        dtype=config.dtype,",
+        "zeros_init(), names[-1:]),\n        dtype=jnp.float32,",
         "--dtype bfloat16 is ignored by the dense layers: everything computes in float32",
         (
             f"{LESSON}::test_bfloat16_runs_every_matmul_in_bfloat16",

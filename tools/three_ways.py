@@ -125,7 +125,7 @@ def megatron(specs):
                     layer.dot_general = functools.partial(matmul, split, name == "head/out")
                 if isinstance(layer, nnx.Embed) and split_over(specs[f"{name}/embedding"], "model"):
                     explicit_sharding.replace(module, path, VocabularySplit(layer))
-            return module(x, rng is None)
+            return common.call(piece, module, x)
 
         return run_on_shards
 
