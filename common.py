@@ -482,8 +482,8 @@ def make_optimizer(config: TrainingConfig):
     adamw = optax.adamw(schedule, **ADAM, weight_decay=config.weight_decay, mask=decay_mask)
     if not config.router_bias_rate:
         return adamw
-    # A mixture's balance bias moves by its own rule: by the rate, against its entry's sign.
-    balance = optax.chain(optax.scale_by_sign(), optax.scale(-config.router_bias_rate))
+    rate = config.router_bias_rate  # a mixture's balance bias moves by it, against its entry's sign
+    balance = optax.stateless_with_tree_map(lambda load, _: -rate * jnp.sign(load))
     return optax.multi_transform({"learned": adamw, "balance": balance}, balance_labels)
 
 

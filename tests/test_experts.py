@@ -196,6 +196,9 @@ def test_the_bias_moves_against_each_experts_excess_load():
         if "router_bias" in jax.tree_util.keystr(path)
     ]
     assert adam_leaves == []
+    # The bias's rule keeps no state, as in the checkpoints of every version before (one
+    # optax.EmptyState): a chain of two (scale_by_sign, scale) could not restore them.
+    assert after.opt_state.inner_states["balance"].inner_state == optax.EmptyState()
 
 
 def test_capacity_drops_the_later_tokens_and_counts_them():
