@@ -266,8 +266,8 @@ BUGS = [
     ),
     Bug(
         "common.py",
-        "optax.scale(-config.router_bias_rate)",
-        "optax.scale(config.router_bias_rate)",
+        "lambda load, _: -rate * jnp.sign(load)",
+        "lambda load, _: rate * jnp.sign(load)",
         "the balance bias moves towards the loaded experts (the sign of DeepSeek's rule turned)",
         ("tests/test_experts.py::test_the_bias_moves_against_each_experts_excess_load",),
     ),
