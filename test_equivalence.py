@@ -371,10 +371,10 @@ def test_grouped_query_attention_matches(name):
     compare(name, run_uncached(name, **GQA), reference(**GQA, **model_flags(name)), GQA)
 
 
-# Every pytest: the scripts that reach into a model (FSDP's gathers per piece, context
-# parallelism's hooks); tests/tied_llama.py's same blocks train under pipeline.py there too
-# (test_a_tied_head_matches), and under pjit_tp.py with its suggested entries (above).
-@pytest.mark.parametrize("name", matrix(DENSE, ["fsdp", "context_parallel"]))
+# Every pytest: FSDP's gathers per piece of a linen model (its hooks under context parallelism:
+# -m full; the GPT's, grouped-query, above); the blocks of tests/tied_llama.py train under
+# pipeline.py (test_a_tied_head_matches), and pjit_tp.py's suggested entries (above).
+@pytest.mark.parametrize("name", matrix(DENSE, ["fsdp"]))
 def test_a_model_the_scripts_do_not_know_matches(name, monkeypatch):
     """tests/llama.py (RMSNorm, rotary positions, SwiGLU, no biases, untied head, grouped-query
     attention) through every script and preset, against one device training it."""
@@ -417,11 +417,11 @@ def test_an_nnx_model_matches(name, monkeypatch):
 
 # tests/docs_model.py: a model written whole as the Flax guides write one (a list of blocks,
 # GQA, a tied head), 11 lines from tests/docs_model_as_written.py. Every pytest: the scripts that
-# cut it apart (FSDP's gathers per piece, a pipeline's stages) and context parallelism's hooks.
+# cut it apart (FSDP's gathers per piece, a pipeline's stages); the hooks: -m full.
 DOCS = {"model": "tests.docs_model", "kv_heads": 2}
 
 
-@pytest.mark.parametrize("name", matrix(DENSE, ["fsdp", "pipeline_1f1b", "context_parallel"]))
+@pytest.mark.parametrize("name", matrix(DENSE, ["fsdp", "pipeline_1f1b"]))
 def test_a_model_written_whole_matches(name, monkeypatch):
     """tests/docs_model.py, cut at its blocks (common.whole), through every script and preset
     (pjit_tp.py with the entries it suggests), against one device training it."""

@@ -114,13 +114,15 @@ MODELS_MOVED = [
     ("fsdp", "pipeline_1f1b", {"tie_embeddings": True}),  # the table whole for both stages
     ("pipeline_1f1b", "explicit_fsdp_tp", {"model": "tests.nnx_llama"}),
     ("pjit_tp", "fsdp", {"model": "tests.tied_llama"}),
+    ("pipeline_1f1b", "fsdp", {"model": "tests.docs_model", "kv_heads": 2}),  # written whole
 ]
 
 
+# -m full: every pytest moves the GPT (NNX pieces) between scripts above.
 @pytest.mark.parametrize(
     "writer, reader, flags",
-    matrix(MODELS_MOVED, MODELS_MOVED[1:2]),
-    ids=["tied-gpt", "nnx-llama", "tied-llama"],
+    matrix(MODELS_MOVED, []),
+    ids=["tied-gpt", "nnx-llama", "tied-llama", "docs-model"],
 )
 def test_a_tied_or_nnx_model_moves_between_scripts(writer, reader, flags, tmp_path, monkeypatch):
     monkeypatch.setattr(pjit_tp, "PARAM_SPECS", LLAMA_SPECS + pjit_tp.PARAM_SPECS)
