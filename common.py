@@ -238,11 +238,11 @@ class Attention(nnx.Module):
 
 
 class Mlp(nnx.Module):
-    def __init__(self, config: TrainingConfig, width: int = 1, *, rngs: nnx.Rngs):
-        c, units = config, width * (config.mlp_dim or 4 * config.d_model)  # width: shared experts
+    def __init__(self, config: TrainingConfig, shared: int = 0, *, rngs: nnx.Rngs):
+        c, units = config, max(1, shared) * (config.mlp_dim or 4 * config.d_model)
         self.fc1 = _linear(c, c.d_model, units, ("embed", "mlp"), rngs)
         self.fc2 = _linear(c, units, c.d_model, ("mlp", "embed"), rngs, _residual_scale(c))
-        self.dropout = nnx.Dropout(c.dropout if width == 1 else 0, rngs=rngs)  # shared: the MoE's
+        self.dropout = nnx.Dropout(0 if shared else c.dropout, rngs=rngs)  # shared: the MoE's
 
     def __call__(self, x):
         h = constrain(nnx.gelu(self.fc1(x)), ("batch", "length", "act_mlp"))

@@ -120,6 +120,11 @@ def test_shared_experts_take_every_token():
     shared = shared_mlp(params["shared"], x)
     assert float(jnp.abs(shared).max()) > 0
     np.testing.assert_allclose(out, routed_out + shared, rtol=1e-6, atol=1e-7)
+    # No dropout of their own, one shared expert or more: the mixture's follows their sum
+    for count in (1, 2):
+        dropping = common.Config(**{**SMALL, **MOE, "shared_experts": count, "dropout": 0.5})
+        made = common.build(common.MoeMlp, dropping, common.Hooks(), jax.random.key(0))
+        assert made.shared.dropout.rate == 0 and made.dropout.rate == 0.5
 
 
 def test_dropless_routing_grows_with_the_tokens_and_capacity_with_their_square():
