@@ -158,18 +158,14 @@ def _linear(config, features_in, features, names, rngs, scale=1.0, use_bias=True
     )
 
 
-def _embed(config, count, names, rngs):
-    return nnx.Embed(
-        count, config.d_model, embedding_init=_init(names), dtype=config.dtype, rngs=rngs
-    )
+def _embed(c, count, names, rngs):
+    return nnx.Embed(count, c.d_model, embedding_init=_init(names), dtype=c.dtype, rngs=rngs)
 
 
-def _layer_norm(config, rngs):
+def _layer_norm(c, rngs):
     ones, zeros = nnx.initializers.ones_init(), nnx.initializers.zeros_init()
     ones, zeros = (nnx.with_partitioning(init, ("norm",)) for init in (ones, zeros))
-    return nnx.LayerNorm(
-        config.d_model, dtype=config.dtype, scale_init=ones, bias_init=zeros, rngs=rngs
-    )
+    return nnx.LayerNorm(c.d_model, dtype=c.dtype, scale_init=ones, bias_init=zeros, rngs=rngs)
 
 
 def _whole_sequence(x):
@@ -1130,9 +1126,8 @@ def compile_step(step_fn, *args):
 
 def device_memory() -> int | None:
     """Bytes a device holds: its limit, or on CPU, the host's available memory over its devices."""
-    stats = jax.local_devices()[0].memory_stats() or {}
-    if "bytes_limit" in stats:
-        return stats["bytes_limit"]
+    if limit := (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit"):
+        return limit
     with contextlib.suppress(OSError, StopIteration), open("/proc/meminfo") as meminfo:
         kilobytes = next(int(s.split()[1]) for s in meminfo if s.startswith("MemAvailable:"))
         return kilobytes * 1024 // jax.local_device_count()
@@ -1142,16 +1137,16 @@ def device_memory() -> int | None:
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 
-# Dense bf16 peak FLOP/s of one device, by jax.Device.device_kind; the first match wins.
+# Dense bf16 peak FLOP/s of one device, by jax.Device.device_kind (lower case); the first match.
 PEAK_FLOPS = (
-    ("TPU v5 lite", 197e12),  # v5e
-    ("TPU v5", 459e12),  # v5p
-    ("TPU v6 lite", 918e12),  # v6e
-    ("TPU v4", 275e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),  # SXM
-    ("H200", 989e12),
-    ("A100", 312e12),
+    ("tpu v5 lite", 197e12),  # v5e
+    ("tpu v5", 459e12),  # v5p
+    ("tpu v6 lite", 918e12),  # v6e
+    ("tpu v4", 275e12),
+    ("h100 pcie", 756e12),
+    ("h100", 989e12),  # SXM
+    ("h200", 989e12),
+    ("a100", 312e12),
 )
 
 
@@ -1168,15 +1163,6 @@ def flops_per_token(config: TrainingConfig, params) -> int:
     unused = experts - experts * config.top_k // config.experts if experts else 0
     matmul_params = sum(x.size for _, x in leaves) - tables - unused
     return 6 * matmul_params + 12 * config.layers * config.seq_len * config.d_model
-
-
-def peak_flops() -> float | None:
-    kind = jax.devices()[0].device_kind
-    return next((peak for name, peak in PEAK_FLOPS if name.lower() in kind.lower()), None)
-
-
-def nbytes(x) -> int:
-    return x.size * x.dtype.itemsize  # also for abstract arrays (jax.ShapeDtypeStruct)
 
 
 def bytes_on_device(x, device) -> int:
@@ -1198,13 +1184,8 @@ def _shape_bytes(text: str) -> int:
 
 def _closing(text: str, start: int) -> int:
     """The index just past the bracket that closes the one at text[start]."""
-    depth = 0
-    for i in range(start, len(text)):
-        depth += text[i] == "("
-        depth -= text[i] == ")"
-        if depth == 0:
-            return i + 1
-    raise ValueError(text)
+    depths = itertools.accumulate((c == "(") - (c == ")") for c in text[start:])
+    return start + 1 + next(i for i, depth in enumerate(depths) if depth == 0)
 
 
 def _hlo_program(hlo_text: str):
@@ -1222,6 +1203,20 @@ def _hlo_program(hlo_text: str):
             operands = re.findall(r"%([\w.\-]+)", rest[len(opcode) : operands_end])
             computations[current].append((name, opcode, operands, rest[operands_end:], line))
     return computations, shapes, entry
+
+
+def _taps(attributes: str, labels: tuple, lhs: list, out: list) -> float:
+    """A convolution's window taps per output that read its input, not padding or holes."""
+    taps, w = 1.0, dict(size=1, stride=1, pad=0, lhs_dilate=1, rhs_dilate=1)
+    for name, default in list(w.items()):  # a number per spatial axis (a pad's low side)
+        found = re.search(rf"\b{name}=([\d_x-]+)", attributes)
+        w[name] = [int(n.split("_")[0]) for n in found[1].split("x")] if found else [default] * 9
+    for axis, (size, stride, pad, dilation, spread) in enumerate(zip(*w.values(), strict=False)):
+        if str(axis) in labels[0]:  # the positions it reads, of those the dilated input has
+            n, o = lhs[labels[0].index(str(axis))], out[labels[2].index(str(axis))]
+            reads = [p * stride + t * spread - pad for p in range(o) for t in range(size)]
+            taps *= sum(0 <= q <= (n - 1) * dilation and q % dilation == 0 for q in reads) / o
+    return taps
 
 
 def hlo_flops(hlo_text: str) -> float:
@@ -1242,6 +1237,11 @@ def hlo_flops(hlo_text: str) -> float:
                 lhs = dims(operands[0])
                 k = math.prod(lhs[int(i)] for i in contracted.group(1).split(",") if i)
                 total += 2 * math.prod(dims(name)) * k
+            elif opcode == "convolution":  # TPU's matmuls: over the kernel's inputs, its taps
+                labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", attributes).groups()
+                k = dims(operands[1])[labels[1].index("i")]
+                taps = _taps(attributes, labels, dims(operands[0]), dims(name))
+                total += 2 * math.prod(dims(name)) * k * taps
             elif opcode == "while":
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attributes)
                 body = re.search(r"\bbody=%([\w.\-]+)", attributes).group(1)
@@ -1276,36 +1276,33 @@ def hlo_collectives(hlo_text: str) -> list:
                 loop = trips and key in ("body", "condition")
                 callers.setdefault(callee, []).append((caller, int(trips.group(1)) if loop else 1))
 
+    # TPU's async collectives repeat the op where they end and in what overlaps them: not counted
+    repeats = [c for c, ops in computations.items() if "AsyncCollectiveDone" in str(ops)]
+
     @functools.cache
     def runs(computation):
-        if computation == entry:
-            return 1
+        if computation == entry or computation in repeats:
+            return int(computation == entry)
         return sum(runs(caller) * times for caller, times in callers.get(computation, ()))
 
     found = []
-    for computation, instructions in computations.items():
+    for comp, instructions in computations.items():
         for name, opcode, operands, _, line in instructions:
             op = opcode.removesuffix("-start")  # async pairs: count the start, not the done
-            if op in COLLECTIVES and runs(computation):
+            if comp.startswith("all-reduce-scatter"):  # TPU's reduce-scatter: a fused all-reduce
+                op = op.replace("all-reduce", "reduce-scatter")
+            if op in COLLECTIVES and runs(comp) and not comp.startswith("async_collective_fusion"):
                 operand_bytes = sum(sizes.get(o, 0) for o in operands)
                 # An async start's result holds its operands too, then the outputs.
                 result_bytes = sizes[name] - (operand_bytes if opcode.endswith("-start") else 0)
                 size, group = max(operand_bytes, result_bytes), group_size(line, devices)
-                found.append(
-                    dict(op=op, runs=runs(computation), bytes=size, group=group, line=line)
-                )
+                found.append(dict(op=op, runs=runs(comp), bytes=size, group=group, line=line))
     return found
 
 
-# What a device sends in a ring of n (NCCL's, most TPU ones), a share of the larger buffer: an
-# all-gather passes on n - 1 of n pieces, an all-reduce twice that, an all-to-all keeps 1 / n.
-WIRE = {
-    "all-reduce": lambda n: 2 * (n - 1) / n,
-    "all-gather": lambda n: (n - 1) / n,
-    "reduce-scatter": lambda n: (n - 1) / n,
-    "all-to-all": lambda n: (n - 1) / n,
-    "collective-permute": lambda n: 1.0,
-}
+def wire(op: str, n: int) -> float:
+    """A ring's share of the larger buffer a device sends: (n - 1) / n, twice for an all-reduce."""
+    return 1.0 if op == "collective-permute" else (1 + (op == "all-reduce")) * (n - 1) / n
 
 
 def group_size(line: str, devices: int) -> int:
@@ -1330,20 +1327,21 @@ def cost_report(config: TrainingConfig, state, compiled, compile_seconds: float)
         counted, runs = collectives[found["op"]], found["runs"]
         counted["count"] += runs
         counted["bytes"] += runs * found["bytes"]
-        counted["wire_bytes"] += runs * WIRE[found["op"]](found["group"]) * found["bytes"]
-    params = unbox(full.params)
+        counted["wire_bytes"] += runs * wire(found["op"], found["group"]) * found["bytes"]
+    params, full_state = unbox(full.params), (full.params, full.opt_state)
     # The compiled step's matmul FLOPs against the model's for its share of the tokens: above 1,
     # what the strategy recomputes (--remat, a pipeline's backward) or computes on every device.
     step_flops, per_token = hlo_flops(compiled.as_text()), flops_per_token(config, params)
     model_flops = per_token * config.batch_size * config.seq_len / jax.device_count()
     return {
         "param_count": sum(x.size for x in jax.tree.leaves(params)),
-        "param_bytes": sum(map(nbytes, jax.tree.leaves(params))),
+        "peak_flops": next((p for n, p in PEAK_FLOPS if n in device.device_kind.lower()), None),
+        "param_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)),
         "flops_per_token": per_token,
         "step_flops": step_flops,
         "step_flops_over_model": step_flops / model_flops,
         "state_bytes_total": sum(
-            map(nbytes, jax.tree.leaves(unbox((full.params, full.opt_state))))
+            x.size * x.dtype.itemsize for x in jax.tree.leaves(unbox(full_state))
         ),
         "state_bytes_per_device": sum(bytes_on_device(x, device) for x in leaves),
         "compile_seconds": compile_seconds,
@@ -1870,7 +1868,7 @@ class Logger:
         # The median step: the first interval can include one-off work
         seconds = float(np.median(self.step_seconds)) if steps else None
         waited = float(np.median(self.data_seconds)) if self.data_seconds else None
-        speed, peak = self.tokens / seconds if steps else None, peak_flops()
+        speed, peak = self.tokens / seconds if steps else None, self.report["peak_flops"]
         keys = ("loss", "eval_loss")  # a resumed run's records of the steps before it
         earlier = {k: [None] + [r[k] for r in self.earlier if k in r] for k in keys}
         evals = earlier["eval_loss"] + ([] if self.eval_loss is None else [self.eval_loss])

@@ -54,6 +54,10 @@ REPORT_KEYS = {
 }
 
 
+def nbytes(x) -> int:
+    return x.size * x.dtype.itemsize
+
+
 def cost(name, **overrides):
     summary = run(name, **overrides).summary
     return summary, {op: c["bytes"] for op, c in summary["collectives"].items()}
@@ -130,7 +134,7 @@ def test_scanned_layers_cost_the_same_communication(name):
     )
     kernels = {  # bytes of the blocks' kernels, and of the head's
         where: sum(
-            common.nbytes(x)
+            nbytes(x)
             for path, x in params
             if path[-1].key == "kernel"
             and ("block_" in jax.tree_util.keystr(path)) == (where == "blocks")
@@ -140,7 +144,7 @@ def test_scanned_layers_cost_the_same_communication(name):
     if name == "fsdp":
         # fsdp.gather_before_use gathers every kernel again for the backward pass (ZeRO-3),
         # scanned or not: the parameters once and every kernel a second time.
-        params_bytes = sum(common.nbytes(x) for _, x in params)
+        params_bytes = sum(nbytes(x) for _, x in params)
         assert (
             scanned["all-gather"] == unscanned["all-gather"] == params_bytes + sum(kernels.values())
         )
@@ -216,7 +220,7 @@ def test_remat_keeps_less_for_the_backward_pass():
             lambda p: jax.vjp(lambda p: common.loss_fn(p, model, tokens, None)[0], p)[1],
             params,
         )
-        return sum(map(common.nbytes, jax.tree.leaves(vjp)))
+        return sum(map(nbytes, jax.tree.leaves(vjp)))
 
     kept, remat = residual_bytes(), residual_bytes(remat=True)
     print(f"\n--remat: {kept:,} -> {remat:,} bytes kept for the backward pass")

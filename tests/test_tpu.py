@@ -1,0 +1,104 @@
+"""tools/compile_for.py: each script compiled for a TPU slice on this CPU machine (libtpu's
+compile-only devices, requirements-tpu.txt), nothing run; its report checked against the compiled
+program and the script's docstring, and the predicted step time against hand arithmetic."""
+
+import json
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+import common
+from tools import compile_for as tool
+from tests.harness import MOE, ROOT, SCRIPTS, as_flags, matrix
+
+TOPOLOGY = "v5e:2x4"  # v5e-8: 8 chips, one host
+# The scripts' default width and length (smaller arrays would be mostly TPU's tile padding)
+SIZE = as_flags(dict(layers=2, d_model=128, seq_len=64, batch_size=32))
+# The collectives each docstring names for the script's defaults, by kind (on TPU as on CPU, the
+# compilers write the gradients' reduce-scatter of logical_pjit.py's and explicit_sharding.py's
+# fsdp_tp as an all-reduce at this size; logical_pjit.py's layout adds 2 tiny permutes).
+NAMED = {
+    "pmap_dp": {"all-reduce"},
+    "shardmap_dp": {"all-reduce"},
+    "fsdp": {"all-gather", "reduce-scatter", "all-reduce"},
+    "pjit_tp": {"all-reduce"},
+    "logical_pjit": {"all-gather", "all-reduce", "collective-permute"},
+    "explicit_sharding": {"all-gather", "all-reduce"},
+    "pipeline": {"collective-permute", "all-gather", "reduce-scatter", "all-reduce"},
+    "context_parallel": {"collective-permute", "all-reduce"},
+    "expert_parallel": {"all-to-all", "all-reduce"},
+}
+# Dropless routing's grouped matmul (ragged_dot with a group per sequence) does not lower for
+# TPU in JAX 0.10.2: expert_parallel.py compiles with a capacity (docs/tpu.md).
+FLAGS = {"expert_parallel": as_flags({**MOE, "capacity_factor": 1.25})}
+
+
+def compile_for(script, tmp_path, *flags, topology=TOPOLOGY):
+    """The script compiled for a slice by tools/compile_for.py: (the process, its summary, the
+    TPU program's text)."""
+    metrics, hlo = tmp_path / "m.jsonl", tmp_path / "step.hlo"
+    command = [sys.executable, "tools/compile_for.py", topology, f"{script}.py", *SIZE, *flags]
+    command += ["--metrics-file", str(metrics), "--hlo", str(hlo)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(metrics.read_text().splitlines()[-1])["summary"]
+    return done, summary, hlo.read_text()
+
+
+@pytest.mark.parametrize("script", matrix(list(SCRIPTS), ["fsdp", "pmap_dp"]))
+def test_every_script_compiles_for_a_tpu_slice(script, tmp_path):
+    """The report is the TPU program's, nothing run: its state per chip what the program takes
+    in, its collectives the docstring's, its matmul FLOPs within XLA's own count."""
+    done, summary, hlo = compile_for(script, tmp_path, *FLAGS.get(script, []))
+    assert not re.search(r"^step \d", done.stdout, re.M)  # compiled, no step run
+    assert done.stderr == ""  # and libtpu said nothing
+    assert summary["devices"] == 8 and summary["device_kind"] == "TPU v5 lite"
+    # The program's inputs (their shapes, TPU's tile padding aside): the state's pieces the
+    # report counts, and this chip's rows of the batch
+    computations, shapes, entry = common._hlo_program(hlo)
+    inputs = [name for name, opcode, *_ in computations[entry] if opcode == "parameter"]
+    taken = sum(common._shape_bytes(shapes[name]) for name in inputs)
+    rows = 32 * 65 * 4  # at most the whole batch, int32 tokens
+    assert 0 <= taken - summary["state_bytes_per_device"] <= rows + 1024, taken
+    assert summary["compiled_argument_bytes"] >= taken  # padded to tiles
+    need = summary["compiled_argument_bytes"] + summary["compiled_temp_bytes"]
+    assert summary["hbm_need_bytes"] <= need + summary["compiled_argument_bytes"]
+    assert summary["hbm_need_bytes"] <= summary["predicted"]["hbm"] == 16 * 2**30
+    kinds = {op for op, c in summary["collectives"].items() if c["count"]}
+    assert kinds == NAMED[script], summary["collectives"]
+    # XLA counts the matmuls (TPU's convolutions) and the elementwise work (a loop once; under
+    # tensor parallelism, replicated work on every chip: 0.62 here): most of it is matmuls
+    loops = script in ("pipeline", "context_parallel")
+    assert 0.5 < summary["step_flops"] / summary["xla_flops"] <= 1 or loops
+    assert re.search(r"HBM per chip: [\d.e-]+ GiB of 16 GiB, fits", done.stdout)
+
+
+def test_a_step_too_big_for_the_chip_is_one_line(tmp_path):
+    """XLA's TPU compiler refuses a step over HBM: exit 2, one line naming what would fit it."""
+    command = [sys.executable, "tools/compile_for.py", TOPOLOGY, "fsdp.py", "--d-model", "4096"]
+    command += ["--layers", "16", "--batch-size", "512", "--seq-len", "1024"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "RESOURCE_EXHAUSTED" in done.stderr and "--remat" in done.stderr
+
+
+def test_an_unknown_slice_is_one_line(tmp_path):
+    command = [sys.executable, "tools/compile_for.py", "v9z:2x4", "fsdp.py"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert "cannot compile for v9z:2x4" in done.stderr
+
+
+def test_the_predicted_step_is_its_parts_at_the_chips_rates():
+    """v5e: 197 TFLOP/s, 819 GB/s of HBM, 400 GB/s of ICI. 1 ms of matmuls and 2 ms of HBM
+    traffic overlap (the larger counts), 0.5 ms of collectives follow: 2.5 ms; the model's
+    0.5 ms of FLOPs at peak in it, MFU 20%."""
+    compiled = SimpleNamespace(cost_analysis=lambda: {"bytes accessed": 819e9 * 2e-3})
+    tpu = tool.predict(compiled, 197e9, 98.5e9, 0.2e9, "tpu v5 lite")
+    assert tpu["seconds"] == pytest.approx({"compute": 1e-3, "hbm": 2e-3, "collectives": 0.5e-3})
+    assert tpu["step_seconds"] == pytest.approx(2.5e-3)
+    assert tpu["mfu"] == pytest.approx(0.2)
+    assert tpu["hbm"] == 16 * 2**30

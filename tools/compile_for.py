@@ -1,0 +1,218 @@
+"""Will my run fit on a TPU slice? Any script compiled for one on this machine, nothing run.
+
+libtpu (pip install -t .tpu -r requirements-tpu.txt) compiles TPU programs without a TPU: its
+compile-only devices for a slice (jax.experimental.topologies) stand in for the script's
+devices, the script builds its mesh and its step on them as on the slice itself, and compiles.
+Nothing is allocated or run, no data is read. The report is the TPU program's: memory per chip
+against its HBM (XLA's TPU compiler refuses a step that does not fit: one line, exit 2), the
+collectives it holds, its matmul FLOPs per chip, and a step time predicted from it at the chip's
+published rates (CHIPS: matmuls at peak, HBM traffic at its bandwidth, then the collectives
+over the interconnect, not overlapped) with the MFU that implies. Compiled, not run: a guide to
+what to rent and which flags to pass, not a measurement.
+
+  python tools/compile_for.py v5e:2x4 fsdp.py --layers 12 --d-model 768 --heads 12 \\
+      --seq-len 1024 --vocab-size 50304 --dtype bfloat16 --batch-size 64
+  python tools/compile_for.py v5p:4x4x4 pjit_tp.py --metrics-file runs/v5p.jsonl --hlo step.txt
+
+Slices: v5e:RxC and v6e:RxC (8 chips a host), v5p:AxBxC (4 chips a host), v4:AxBxC. The script
+takes its own flags; --metrics-file gets the report as its summary, --hlo the TPU program's text.
+"""
+
+import math
+import os
+import re
+import runpy
+import sys
+import time
+from pathlib import Path
+
+# A TPU chip's HBM bytes, HBM bytes/s and bidirectional inter-chip (ICI) bytes/s, by device_kind
+# (cloud.google.com/tpu/docs/v5e, v5p, v6e and v4; v4's ICI is not published there); its
+# peak FLOP/s is common.PEAK_FLOPS'.
+CHIPS = {
+    "tpu v5 lite": (16 * 2**30, 819e9, 400e9),  # v5e
+    "tpu v5": (95 * 2**30, 2765e9, 1200e9),  # v5p
+    "tpu v6 lite": (32 * 2**30, 1638e9, 800e9),  # v6e
+    "tpu v4": (32 * 2**30, 1200e9, None),
+}
+USAGE = "usage: python tools/compile_for.py SLICE SCRIPT.py [its flags], e.g. v5e:2x4 fsdp.py"
+
+
+def fail(message: str):
+    print(f"compile_for.py: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def tpu_devices(topology: str):
+    """Make JAX's devices a slice's compile-only ones (JAX has no public way: its backends)."""
+    import jax
+    from jax._src import xla_bridge
+    from jax.experimental import topologies
+
+    # libtpu where requirements-tpu.txt puts it, off the path of every other run (its warnings)
+    bundled = Path(__file__).resolve().parent.parent / ".tpu" / "libtpu" / "libtpu.so"
+    if bundled.exists():
+        os.environ.setdefault("TPU_LIBRARY_PATH", str(bundled))
+    os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")  # no TPU here: libtpu is quiet
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # none holds a TPU: no lock needed
+    try:
+        kind, shape = topology.split(":")
+        eight = kind in ("v5e", "v6e") and math.prod(map(int, shape.split("x"))) % 8 == 0
+        hosts = {"chips_per_host_bounds": (2, 4, 1)} if eight else {}  # libtpu's default: 4
+        client = topologies.get_topology_desc(topology, "tpu", **hosts).devices[0].client
+    except Exception as error:  # no libtpu, or a slice it does not know
+        why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        libtpu = "pip install -t .tpu -r requirements-tpu.txt"
+        fail(f"cannot compile for {topology} ({why}), e.g. v5e:2x4 ({libtpu})")
+    xla_bridge.register_backend_factory("compile_only", lambda: client, priority=1)
+    jax.config.update("jax_platforms", "compile_only")
+    # The compile-only client counts no device as local; pmap_dp.py asks how many are
+    jax.local_device_count = lambda backend=None: len(jax.local_devices(backend=backend))
+
+
+def per_chip(x) -> int:
+    """Bytes of one chip's piece of an abstract array: by its sharding, or pmap's stacked copies."""
+    shape = x.sharding.shard_shape(x.shape) if x.sharding else x.shape[1:]
+    return math.prod(shape) * x.dtype.itemsize
+
+
+def predict(compiled, step_flops: float, model_flops: float, wire_bytes: float, kind: str):
+    """The step's seconds at the chip's rates: matmuls at peak, HBM traffic (XLA's count, a loop's
+    body once) at its bandwidth, then the collectives over the interconnect; the MFU."""
+    import common
+
+    peak = next(p for n, p in common.PEAK_FLOPS if n in kind)
+    hbm, hbm_rate, ici_rate = CHIPS[kind]
+    accessed = compiled.cost_analysis()["bytes accessed"]
+    times = dict(compute=step_flops / peak, hbm=accessed / hbm_rate)
+    times["collectives"] = wire_bytes / ici_rate if ici_rate else 0.0
+    step = max(times["compute"], times["hbm"]) + times["collectives"]
+    return dict(seconds=times, step_seconds=step, mfu=model_flops / step / peak, hbm=hbm)
+
+
+def report(config, topology: str, compiled, state, seconds: float) -> dict:
+    """The run's report (common.cost_report's figures) for a step compiled on shapes alone."""
+    import jax
+
+    import common
+
+    device, memory, hlo = jax.devices()[0], compiled.memory_analysis(), compiled.as_text()
+    kind, full = device.device_kind.lower(), common.model_shapes(config)
+    collectives = {op: {"count": 0, "bytes": 0, "wire_bytes": 0.0} for op in common.COLLECTIVES}
+    for found in common.hlo_collectives(hlo):
+        counted, runs = collectives[found["op"]], found["runs"]
+        counted["count"] += runs
+        counted["bytes"] += runs * found["bytes"]
+        counted["wire_bytes"] += runs * common.wire(found["op"], found["group"]) * found["bytes"]
+    params, whole = common.unbox(full.params), common.unbox((full.params, full.opt_state))
+    step_flops, per_token = common.hlo_flops(hlo), common.flops_per_token(config, params)
+    model_flops = per_token * config.batch_size * config.seq_len / jax.device_count()
+    wire = sum(c["wire_bytes"] for c in collectives.values())
+    sizes = ("argument", "output", "temp")
+    need = sum(getattr(memory, f"{s}_size_in_bytes") for s in sizes) - memory.alias_size_in_bytes
+    shards = jax.tree.leaves(common.unbox((state.params, state.opt_state)))
+    return {
+        "topology": topology,
+        "device_kind": device.device_kind,
+        "devices": jax.device_count(),
+        "processes": len({d.process_index for d in jax.devices()}),
+        "platform": "tpu (compiled, not run)",
+        "param_count": sum(x.size for x in jax.tree.leaves(params)),
+        "flops_per_token": per_token,
+        "step_flops": step_flops,
+        "step_flops_over_model": step_flops / model_flops,
+        "xla_flops": compiled.cost_analysis()["flops"],  # XLA's own count: a loop's body once
+        "state_bytes_total": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(whole)),
+        "state_bytes_per_device": sum(map(per_chip, shards)),
+        "compile_seconds": seconds,
+        "compiled_argument_bytes": memory.argument_size_in_bytes,
+        "compiled_temp_bytes": memory.temp_size_in_bytes,
+        "hbm_need_bytes": need,
+        "collectives": collectives,
+        "mfu": None,
+        "predicted": predict(compiled, step_flops, model_flops, wire, kind)
+        if kind in CHIPS
+        else None,
+    }
+
+
+def lines(summary: dict) -> str:
+    """What the report says, for people: common.report_lines', and the chip's."""
+    import common
+
+    text = common.report_lines(summary).replace("MFU n/a on tpu (compiled, not run)", "not run")
+    if tpu := summary["predicted"]:
+        fits = "fits" if summary["hbm_need_bytes"] <= tpu["hbm"] else "does not fit"
+        parts = ", ".join(f"{t * 1e3:,.2f}" for t in tpu["seconds"].values())
+        text += (
+            f"\nHBM per chip: {summary['hbm_need_bytes'] / 2**30:.3g} GiB of "
+            f"{tpu['hbm'] / 2**30:.0f} GiB, {fits} | predicted step "
+            f"{tpu['step_seconds'] * 1e3:,.1f} ms (matmuls, HBM, collectives: {parts} ms), "
+            f"MFU {tpu['mfu']:.1%}"
+        )
+    return text
+
+
+def main(argv: list):
+    if len(argv) < 2 or not argv[1].endswith(".py") or argv[0].startswith("-"):
+        fail(USAGE)
+    topology, script, flags = argv[0], argv[1], argv[2:]
+    hlo_file = None
+    if "--hlo" in flags:  # this tool's own flag: the TPU program's text to this file
+        at = flags.index("--hlo")
+        hlo_file, flags = flags[at + 1], flags[:at] + flags[at + 2 :]
+    tpu_devices(topology)
+    sys.path.insert(0, str(Path(script).resolve().parent))  # the script's common.py
+    import jax
+
+    import common
+
+    configs = []
+    parse_config = common.parse_config
+    common.parse_config = lambda *a, **k: configs.append(parse_config(*a, **k)) or configs[-1]
+    common.same_start_everywhere = lambda config: None  # one process stands for the slice's
+
+    def compile_and_stop(step_fn, state, *args):
+        """common.compile_step: compile on shapes, report, stop before anything is made."""
+        began = time.perf_counter()
+        try:
+            compiled = step_fn.lower(state, *args).compile()
+        except jax.errors.JaxRuntimeError as error:  # XLA's TPU compiler: more than the HBM
+            if "RESOURCE_EXHAUSTED" not in str(error):
+                raise
+            why = re.sub(r"\s+", " ", str(error).strip().splitlines()[0])
+            fail(
+                f"the step does not fit ({why}): lower --batch-size or --seq-len, or add "
+                "--microbatches or --remat"
+            )
+        config = configs[-1]
+        summary = report(config, topology, compiled, state, time.perf_counter() - began)
+        print(
+            f"{script} compiled for {topology}: {summary['devices']} chips of "
+            f"{summary['device_kind']}, {summary['processes']} host(s); nothing run"
+        )
+        print(lines(summary), flush=True)
+        if config.metrics_file:  # added to what the file holds
+            with open(config.metrics_file, "a") as file:
+                file.write(common.json_line({"summary": summary}))
+        if hlo_file:
+            Path(hlo_file).write_text(compiled.as_text())
+        tpu = summary["predicted"]
+        raise SystemExit(0 if not tpu or summary["hbm_need_bytes"] <= tpu["hbm"] else 2)
+
+    common.compile_step = compile_and_stop
+    sys.argv = [script, *flags]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except Exception as error:  # what does not compile for TPU, in one line
+        why = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+        c = configs[-1] if configs else None
+        if c and c.experts and not c.capacity_factor:  # the one known
+            why += "; dropless routing's grouped matmul does not lower for TPU in JAX 0.10.2"
+            why += ", e.g. --capacity-factor 1.25"
+        fail(f"{script} does not compile for {topology} ({why})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
