@@ -100,21 +100,17 @@ def device_batch(batch):
 def main(config):
     common.setup(config)
     dataset = common.load_dataset(config)
+    state = init_state(config)
     step_fn = jax.pmap(
         functools.partial(train_step, config=config),
         axis_name="data",
         donate_argnums=0,
     )
     eval_fn = jax.pmap(eval_step, axis_name="data")
-    # Compiled for the shapes of the state and of this process's batch, one slice per local
-    # device, before either exists: a step too big for the devices stops here, with one line.
-    state_shapes = jax.eval_shape(lambda: init_state(config))
-    rows = config.batch_size // jax.device_count()
-    batch_shapes = jax.ShapeDtypeStruct(
-        (jax.local_device_count(), rows, config.seq_len + 1), "int32"
-    )
-    compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
-    state = init_state(config)
+    # pmap compiles for arrays, not shapes (with several processes it assembles its arguments
+    # from every process's pieces), so its step is checked to fit in memory once the state exists.
+    first_batch = device_batch(common.host_batch(dataset, config, 0))
+    compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
     # Saved as one copy, not one per device
     checkpoints = common.Checkpoints(config, to_saved, from_saved)
     state, start = checkpoints.restore(state)

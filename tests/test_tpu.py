@@ -12,7 +12,7 @@ import pytest
 
 import common
 from tools import compile_for as tool
-from tests.harness import MOE, ROOT, SCRIPTS, as_flags, matrix
+from tests.harness import MOE, ROOT, as_flags, matrix
 
 TOPOLOGY = "v5e:2x4"  # v5e-8: 8 chips, one host
 # The scripts' default width and length (smaller arrays would be mostly TPU's tile padding)
@@ -21,7 +21,6 @@ SIZE = as_flags(dict(layers=2, d_model=128, seq_len=64, batch_size=32))
 # compilers write the gradients' reduce-scatter of logical_pjit.py's and explicit_sharding.py's
 # fsdp_tp as an all-reduce at this size; logical_pjit.py's layout adds 2 tiny permutes).
 NAMED = {
-    "pmap_dp": {"all-reduce"},
     "shardmap_dp": {"all-reduce"},
     "fsdp": {"all-gather", "reduce-scatter", "all-reduce"},
     "pjit_tp": {"all-reduce"},
@@ -48,7 +47,7 @@ def compile_for(script, tmp_path, *flags, topology=TOPOLOGY):
     return done, summary, hlo.read_text()
 
 
-@pytest.mark.parametrize("script", matrix(list(SCRIPTS), ["fsdp", "pmap_dp"]))
+@pytest.mark.parametrize("script", matrix(list(NAMED), ["fsdp", "shardmap_dp"]))
 def test_every_script_compiles_for_a_tpu_slice(script, tmp_path):
     """The report is the TPU program's, nothing run: its state per chip what the program takes
     in, its collectives the docstring's, its matmul FLOPs within XLA's own count."""
@@ -74,6 +73,22 @@ def test_every_script_compiles_for_a_tpu_slice(script, tmp_path):
     loops = script in ("pipeline", "context_parallel")
     assert 0.5 < summary["step_flops"] / summary["xla_flops"] <= 1 or loops
     assert re.search(r"HBM per chip: [\d.e-]+ GiB of 16 GiB, fits", done.stdout)
+
+
+@pytest.mark.parametrize(
+    "script, flags, why",
+    [
+        ("pmap_dp", [], "it runs on the devices before it compiles its step"),
+        ("expert_parallel", as_flags(MOE), "e.g. --capacity-factor 1.25"),
+    ],
+)
+def test_what_does_not_compile_for_tpu_says_why_in_one_line(script, flags, why):
+    """pmap_dp.py makes its state by running pmap before it compiles (JAX's pmap compiles for
+    shapes in one process only); dropless routing's grouped matmul does not lower for TPU."""
+    command = [sys.executable, "tools/compile_for.py", TOPOLOGY, f"{script}.py", *SIZE, *flags]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert why in done.stderr
 
 
 def test_a_step_too_big_for_the_chip_is_one_line(tmp_path):

@@ -44,10 +44,10 @@ def fail(message: str):
 
 
 def tpu_devices(topology: str):
-    """Make JAX's devices a slice's compile-only ones (JAX has no public way: its backends)."""
+    """Make JAX's devices a slice's compile-only ones: their client, registered as a backend."""
     import jax
-    from jax._src import xla_bridge
     from jax.experimental import topologies
+    from jax.extend.backend import register_backend_factory
 
     # libtpu where requirements-tpu.txt puts it, off the path of every other run (its warnings)
     bundled = Path(__file__).resolve().parent.parent / ".tpu" / "libtpu" / "libtpu.so"
@@ -65,7 +65,7 @@ def tpu_devices(topology: str):
         why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         libtpu = "pip install -t .tpu -r requirements-tpu.txt"
         fail(f"cannot compile for {topology} ({why}), e.g. v5e:2x4 ({libtpu})")
-    xla_bridge.register_backend_factory("compile_only", lambda: client, priority=1)
+    register_backend_factory("compile_only", lambda: client, priority=1)
     jax.config.update("jax_platforms", "compile_only")
     # The compile-only client counts no device as local; pmap_dp.py asks how many are
     jax.local_device_count = lambda backend=None: len(jax.local_devices(backend=backend))
@@ -176,6 +176,7 @@ def main(argv: list):
     def compile_and_stop(step_fn, state, *args):
         """common.compile_step: compile on shapes, report, stop before anything is made."""
         began = time.perf_counter()
+        configs.append(None)  # reached: what fails now is the compile
         try:
             compiled = step_fn.lower(state, *args).compile()
         except jax.errors.JaxRuntimeError as error:  # XLA's TPU compiler: more than the HBM
@@ -186,7 +187,7 @@ def main(argv: list):
                 f"the step does not fit ({why}): lower --batch-size or --seq-len, or add "
                 "--microbatches or --remat"
             )
-        config = configs[-1]
+        config = configs[-2]
         summary = report(config, topology, compiled, state, time.perf_counter() - began)
         print(
             f"{script} compiled for {topology}: {summary['devices']} chips of "
@@ -207,8 +208,10 @@ def main(argv: list):
         runpy.run_path(script, run_name="__main__")
     except Exception as error:  # what does not compile for TPU, in one line
         why = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
-        c = configs[-1] if configs else None
-        if c and c.experts and not c.capacity_factor:  # the one known
+        c = configs[0] if configs else None
+        if configs[-1:] != [None]:  # it ran a computation before compiling its step
+            why += "; it runs on the devices before it compiles its step (pmap_dp.py its state)"
+        elif c.experts and not c.capacity_factor:  # the one known
             why += "; dropless routing's grouped matmul does not lower for TPU in JAX 0.10.2"
             why += ", e.g. --capacity-factor 1.25"
         fail(f"{script} does not compile for {topology} ({why})")
