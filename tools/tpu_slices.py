@@ -59,21 +59,25 @@ def compile_for(script: str, topology: str, flags: str) -> dict:
         seconds = time.perf_counter() - began
         if not metrics.exists():
             lines = (done.stderr.strip() or done.stdout.strip() or "?").splitlines()
-            return {"error": lines[-1][:160], "seconds": seconds}
+            return {"error": lines[-1], "seconds": seconds}
         summary = json.loads(metrics.read_text().splitlines()[-1])["summary"]
         return {**summary, "fits": done.returncode == 0, "seconds": seconds}
 
 
 def row(script, size, topology, result) -> str:
     name = f"{script} {size} {SLICES[topology]}"
-    if "error" in result:
-        return f"| {name} | does not compile: {result['error']} | | | | | |"
+    if "error" in result:  # the tool's one line, less its prefix
+        why = re.sub(
+            r"^compile_for.py: error: \S+ (does not compile for \S+ )?", "", result["error"]
+        )
+        return f"| {name} | no: {why} | | | | | |"
     tpu, moved = result["predicted"], sum(c["bytes"] for c in result["collectives"].values())
+    at_least, at_most = ("≥ ", "≤ ") if result["loops_counted_once"] else ("", "")  # a floor
     return (
         f"| {name} | {'yes' if result['fits'] else '**no**'} "
         f"| {result['hbm_need_bytes'] / 2**30:.2f} GiB "
         f"| {result['state_bytes_per_device'] / 2**30:.2f} GiB | {moved / 2**30:.2f} GiB "
-        f"| {tpu['step_seconds'] * 1e3:,.0f} ms | {tpu['mfu']:.0%} |"
+        f"| {at_least}{tpu['step_seconds'] * 1e3:,.0f} ms | {at_most}{tpu['mfu']:.0%} |"
     )
 
 
