@@ -8,7 +8,7 @@ same tokens), on v5e-8 (v5e:2x4), v5p-8 (v5p:2x2x1, 4 chips) and a v5p slice of 
 chip's HBM, memory per chip, the collectives' bytes, and the step time and MFU predicted from it
 at the chip's published rates (common.CHIPS). These are compiled, not run.
 
-  python tools/tpu_slices.py                      # print the table (about 40 minutes on 2 cores)
+  python tools/tpu_slices.py                      # print the table (43 minutes on 2 cores)
   python tools/tpu_slices.py --write              # and rewrite it in docs/tpu.md
   python tools/tpu_slices.py --slices v5e:2x4 --sizes gpt2_small   # a part of it
 """
@@ -100,7 +100,8 @@ def main():
                 result = compile_for(script, topology, flags)
                 lines.append(row(script, size, topology, result))
                 print(lines[-1], f"({result['seconds']:.0f} s)", flush=True)
-    libtpu = importlib.metadata.version("libtpu")
+    where = [str(ROOT / ".tpu")]  # requirements-tpu.txt's libtpu, beside the project
+    libtpu = next(importlib.metadata.distributions(name="libtpu", path=where)).version
     stamp = f"{datetime.date.today()}, JAX {importlib.metadata.version('jax')}, libtpu {libtpu}"
     table = f"<!-- tpu:start -->\nCompiled on {stamp}.\n\n" + "\n".join(lines)
     if args.write:
