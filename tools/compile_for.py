@@ -173,7 +173,10 @@ def main(argv: list):
     sys.path.insert(0, str(Path(script).resolve().parent))  # the script's common.py
     import jax
 
-    import common
+    try:
+        import common
+    except ImportError:
+        fail(f"no common.py beside {script}: the tool runs a script of this project's")
 
     configs = []
     parse_config = common.parse_config
@@ -206,8 +209,12 @@ def main(argv: list):
                 file.write(common.json_line({"summary": summary}))
         if hlo_file:
             Path(hlo_file).write_text(compiled.as_text())
-        tpu = summary["predicted"]
-        raise SystemExit(0 if not tpu or summary["hbm_need_bytes"] <= tpu["hbm"] else 2)
+        if (tpu := summary["predicted"]) and summary["hbm_need_bytes"] > tpu["hbm"]:
+            fail(
+                "the step does not fit a chip's HBM: lower --batch-size or --seq-len, or add "
+                "--microbatches or --remat"
+            )
+        raise SystemExit(0)
 
     common.compile_step = compile_and_stop
     sys.argv = [script, *flags]
@@ -216,9 +223,9 @@ def main(argv: list):
     except Exception as error:  # what does not compile for TPU, in one line
         why = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
         c = configs[0] if configs else None
-        if configs[-1:] != [None]:  # it ran a computation before compiling its step
+        if c and configs[-1] is not None:  # it ran a computation before compiling its step
             why += "; it runs on the devices before it compiles its step (pmap_dp.py its state)"
-        elif c.experts and not c.capacity_factor:  # the one known
+        elif c and c.experts and not c.capacity_factor:  # the one known
             why += "; dropless routing's grouped matmul does not lower for TPU in JAX 0.10.2"
             why += ", e.g. --capacity-factor 1.25"
         fail(f"{script} does not compile for {topology} ({why})")
