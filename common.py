@@ -29,7 +29,7 @@ from flax import nnx
 from flax.linen import with_logical_constraint as constrain  # rules' layout; none: x
 from flax.training import train_state
 from flax.traverse_util import flatten_dict, unflatten_dict
-from jax.experimental import multihost_utils
+from jax.experimental import mesh_utils, multihost_utils
 from orbax.checkpoint import v1 as ocp
 
 BYTES = 256  # the vocabulary of byte-level text
@@ -1066,6 +1066,12 @@ def train_batches(dataset, config: TrainingConfig, start: int, log: typing.Any):
         yield step, rows
 
 
+def make_mesh(shape: dict, kind=jax.sharding.AxisType.Explicit) -> jax.sharding.Mesh:
+    """jax.make_mesh; an axis no product of a torus's sides (v5p's 4x4x4: 2, 8) laid across them."""
+    devices = mesh_utils.create_device_mesh(tuple(shape.values()), allow_split_physical_axes=True)
+    return jax.sharding.Mesh(devices, tuple(shape), axis_types=(kind,) * len(shape))
+
+
 def batch_shape(config: TrainingConfig, sharding) -> jax.ShapeDtypeStruct:
     """The global batch's shape, laid out by `sharding`: what the step is compiled for."""
     shape = (config.batch_size, config.seq_len + 1)
@@ -1101,9 +1107,8 @@ def check_training(c: TrainingConfig):
 # ----------------------------------------------------------------------------------------------
 
 
-# XLA:CPU in JAX 0.10 drops jax.checkpoint's barriers early ('cse_barrier_expander') and CSE
-# merges the recomputation back: --remat kept every activation (32.3 MB of temporaries, 10.5 MB
-# without the pass). GPU, TPU and JAX 0.12's CPU keep the barriers.
+# XLA:CPU in JAX 0.10 drops jax.checkpoint's barriers early and CSE merges the recomputation back:
+# --remat kept every activation (32.3 MB of temporaries, 10.5 without). JAX 0.12's CPU keeps them.
 CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
 
@@ -1219,9 +1224,20 @@ def _taps(attributes: str, labels: tuple, lhs: list, out: list) -> float:
     return taps
 
 
+def _trips(attributes: str, computations: dict) -> int:
+    """A while loop's trip count: XLA's, or its condition's `i < N` (TPU programs state none)."""
+    if known := re.search(r'"known_trip_count":\{"n":"(\d+)"', attributes):
+        return int(known[1])
+    condition = computations[re.search(r"\bcondition=%([\w.\-]+)", attributes)[1]]
+    _, opcode, operands, rest, _ = condition[-1]  # its ROOT
+    bound = {name: line for name, op, *_, line in condition if op == "constant"}
+    below = opcode == "compare" and "direction=LT" in rest and bound.get(operands[-1], "")
+    return int(re.search(r"constant\((\d+)\)", below)[1]) if below else 1
+
+
 def hlo_flops(hlo_text: str) -> float:
-    """The matmul FLOPs of one run of compiled HLO, per device: a loop's body times its trip
-    count (XLA's own cost analysis counts it once), a conditional's costliest branch (an upper
+    """The matmul FLOPs of one run of compiled HLO, per device: a loop's body times its trips
+    (_trips; XLA's own cost analysis counts it once), a conditional's costliest branch (an upper
     bound where branches differ: a pipeline's ticks, ring attention's skipped blocks)."""
     computations, shapes, entry = _hlo_program(hlo_text)
 
@@ -1243,16 +1259,11 @@ def hlo_flops(hlo_text: str) -> float:
                 taps = _taps(attributes, labels, dims(operands[0]), dims(name))
                 total += 2 * math.prod(dims(name)) * k * taps
             elif opcode == "while":
-                trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attributes)
                 body = re.search(r"\bbody=%([\w.\-]+)", attributes).group(1)
-                total += (int(trips.group(1)) if trips else 1) * flops(body)
+                total += _trips(attributes, computations) * flops(body)
             elif opcode == "conditional":
-                listed = re.search(r"branch_computations=\{([^}]*)\}", attributes)
-                branches = re.findall(
-                    r"%([\w.\-]+)" if listed else r"(?:true|false)_computation=%([\w.\-]+)",
-                    listed.group(1) if listed else attributes,
-                )
-                total += max(flops(branch) for branch in branches)
+                branches = re.findall(r"_computations?=(\{[^}]*\}|%[\w.\-]+)", attributes)
+                total += max(map(flops, re.findall(r"%([\w.\-]+)", " ".join(branches))))
             else:
                 total += sum(map(flops, re.findall(r"\bcalls=%([\w.\-]+)", attributes)))
         return total
@@ -1265,16 +1276,14 @@ def hlo_collectives(hlo_text: str) -> list:
     bytes (per device, the larger of its operands and its result), group and its HLO line."""
     computations, shapes, entry = _hlo_program(hlo_text)
     sizes = {name: _shape_bytes(shape) for name, shape in shapes.items()}
-    devices = max(  # (pmap's programs are replicas, jit's partitions)
-        int(n) for n in re.findall(r"(?:num_partitions|replica_count)=(\d+)", hlo_text) or [1]
-    )
+    counts = re.findall(r"(?:num_partitions|replica_count)=(\d+)", hlo_text)  # jit's, pmap's
+    devices = max(map(int, counts or [1]))
     callers = {}
     for caller, instructions in computations.items():
-        for *_, attributes, _ in instructions:
-            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attributes)
-            for key, callee in _CALLS.findall(attributes):
-                loop = trips and key in ("body", "condition")
-                callers.setdefault(callee, []).append((caller, int(trips.group(1)) if loop else 1))
+        for _, opcode, _, attributes, _ in instructions:
+            trips = _trips(attributes, computations) if opcode == "while" else 1  # body, condition
+            for _, callee in _CALLS.findall(attributes):
+                callers.setdefault(callee, []).append((caller, trips))
 
     # TPU's async collectives repeat the op where they end and in what overlaps them: not counted
     repeats = [c for c, ops in computations.items() if "AsyncCollectiveDone" in str(ops)]
@@ -1328,7 +1337,7 @@ def cost_report(config: TrainingConfig, state, compiled, compile_seconds: float)
         counted["count"] += runs
         counted["bytes"] += runs * found["bytes"]
         counted["wire_bytes"] += runs * wire(found["op"], found["group"]) * found["bytes"]
-    params, full_state = unbox(full.params), (full.params, full.opt_state)
+    params, full_state = unbox(full.params), unbox((full.params, full.opt_state))
     # The compiled step's matmul FLOPs against the model's for its share of the tokens: above 1,
     # what the strategy recomputes (--remat, a pipeline's backward) or computes on every device.
     step_flops, per_token = hlo_flops(compiled.as_text()), flops_per_token(config, params)
@@ -1340,9 +1349,7 @@ def cost_report(config: TrainingConfig, state, compiled, compile_seconds: float)
         "flops_per_token": per_token,
         "step_flops": step_flops,
         "step_flops_over_model": step_flops / model_flops,
-        "state_bytes_total": sum(
-            x.size * x.dtype.itemsize for x in jax.tree.leaves(unbox(full_state))
-        ),
+        "state_bytes_total": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(full_state)),
         "state_bytes_per_device": sum(bytes_on_device(x, device) for x in leaves),
         "compile_seconds": compile_seconds,
         "compiled_argument_bytes": getattr(memory, "argument_size_in_bytes", None),
@@ -1357,9 +1364,8 @@ def show_sharding(params):
     device, leaves = jax.local_devices()[0], jax.tree_util.tree_leaves_with_path(unbox(params))
     named = [(jax.tree_util.keystr(path, simple=True, separator="/"), x) for path, x in leaves]
     spec = lambda x: str(getattr(x.sharding, "spec", x.sharding))  # noqa: E731 (pmap's has none)
-    rows = [("parameter", "shape", "spec", "bytes/device")] + [
-        (name, str(x.shape), spec(x), f"{bytes_on_device(x, device):,}") for name, x in named
-    ]
+    rows = [(n, str(x.shape), spec(x), f"{bytes_on_device(x, device):,}") for n, x in named]
+    rows = [("parameter", "shape", "spec", "bytes/device"), *rows]
     widths = [max(len(row[i]) for row in rows) for i in range(3)] + [0]
     for row in rows:
         print(*(text.ljust(width) for text, width in zip(row, widths, strict=True)))
@@ -1521,11 +1527,6 @@ def setup(config: Config):
         exit_bad_input(str(error))
 
 
-def cpu_client_threads(devices: int) -> int:
-    """Threads for XLA:CPU: with fewer than 2 a device a collective can hang (cpu_deadlock.py)."""
-    return max(os.cpu_count() or 1, 2 * devices)
-
-
 def start_devices(config: Config):
     """Emulated CPU devices (harmless on GPU and TPU hosts), then the other processes."""
     flags = os.environ.get("XLA_FLAGS", "")
@@ -1535,7 +1536,8 @@ def start_devices(config: Config):
         name = f"--xla_cpu_collective_call_{name}_timeout_seconds"
         flags += f" {name}={seconds}" * (name not in flags)
     os.environ["XLA_FLAGS"] = flags.strip()  # read as JAX starts a backend
-    os.environ.setdefault("PJRT_NPROC", str(cpu_client_threads(config.cpu_devices)))
+    # XLA:CPU's threads: with fewer than 2 a device a collective can hang (tools/cpu_deadlock.py)
+    os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, 2 * config.cpu_devices)))
     with contextlib.suppress(RuntimeError):  # JAX already started (tests call main() often)
         jax.config.update("jax_num_cpu_devices", config.cpu_devices)
     address, processes, index = config.coordinator_address, config.num_processes, config.process_id

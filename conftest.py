@@ -25,11 +25,8 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
 
-import common  # noqa: E402
-
-# As the scripts do (common.cpu_client_threads): enough threads that XLA's CPU client cannot
-# deadlock.
-os.environ.setdefault("PJRT_NPROC", str(common.cpu_client_threads(8)))
+# As the scripts do (common.start_devices): enough threads that XLA's CPU client cannot deadlock.
+os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, 2 * 8)))
 jax.config.update("jax_num_cpu_devices", 8)
 
 

@@ -123,7 +123,7 @@ def make_mesh(config):
     shape = config.mesh_axes()
     # JAX's default mesh, of Explicit axes: shard_map makes every axis manual inside, and asks
     # only that the arrays going in are laid out as its in_specs say.
-    return jax.make_mesh(tuple(shape.values()), tuple(shape))
+    return common.make_mesh(shape)
 
 
 STATE_SPEC = P()  # replicated: every device holds the whole TrainState

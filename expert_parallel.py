@@ -60,7 +60,8 @@ class Config(common.Config):
     )
 
     def mesh_axes(self):
-        expert = math.gcd(self.experts, max(1, jax.device_count() // 2))
+        # 'auto': the experts split within a host (their all-to-all on its fastest links)
+        expert = math.gcd(self.experts, max(1, jax.device_count() // 2), jax.local_device_count())
         return common.mesh_shape(
             self.mesh, ("data", "expert"), {"data": jax.device_count() // expert, "expert": expert}
         )
@@ -92,7 +93,7 @@ def make_mesh(config):
     shape = config.mesh_axes()
     # JAX's default mesh, of Explicit axes: shard_map makes every axis manual inside, and asks
     # only that the arrays going in are laid out as its in_specs say.
-    return jax.make_mesh(tuple(shape.values()), tuple(shape))
+    return common.make_mesh(shape)
 
 
 BATCH_SPEC = P(("data", "expert"))  # rows split over every device

@@ -185,7 +185,7 @@ def make_mesh(config):
     # Explicit axes, JAX's default: every array's type says how it is split (jax.typeof(x) prints
     # float32[256@model,128]), and an operation whose result's split is not implied refuses to
     # guess. jax.set_mesh (main) makes this mesh the one such types refer to.
-    return jax.make_mesh(tuple(shape.values()), tuple(shape))
+    return common.make_mesh(shape)
 
 
 def axes_of(spec_entry):

@@ -90,7 +90,7 @@ def make_mesh(config):
     shape = {axis: size for axis, size in config.mesh_axes().items() if axis == "data" or size > 1}
     # JAX's default mesh, of Explicit axes: shard_map makes every axis manual inside, and asks
     # only that the arrays going in are laid out as its in_specs say.
-    return jax.make_mesh(tuple(shape.values()), tuple(shape))
+    return common.make_mesh(shape)
 
 
 def batch_spec(mesh):

@@ -177,9 +177,7 @@ def make_mesh(config):
     # Auto axes, on purpose: the compiler places whatever the specs below leave unsaid, which is
     # this script's lesson. (JAX's default is Explicit axes, the shardings part of the types:
     # explicit_sharding.py.)
-    return jax.make_mesh(
-        tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2
-    )
+    return common.make_mesh(shape, jax.sharding.AxisType.Auto)
 
 
 def state_shardings(abstract_state, mesh, rules):

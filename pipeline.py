@@ -156,9 +156,7 @@ def make_mesh(config):
     # Auto axes, not JAX's default Explicit ones: to_saved and from_saved (below) slice the
     # stacked blocks along 'stage' outside shard_map, where Explicit axes would refuse to guess
     # each slice's sharding (they ask for an out_sharding); under Auto the compiler places them.
-    return jax.make_mesh(
-        tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2
-    )
+    return common.make_mesh(shape, jax.sharding.AxisType.Auto)
 
 
 BATCH_SPEC = P("data")  # rows split over 'data'

@@ -122,9 +122,7 @@ def make_mesh(config):
     # Auto axes, on purpose: the compiler places whatever the specs below leave unsaid, which is
     # this script's lesson. (JAX's default is Explicit axes, the shardings part of the types:
     # explicit_sharding.py.)
-    return jax.make_mesh(
-        tuple(shape.values()), tuple(shape), axis_types=(jax.sharding.AxisType.Auto,) * 2
-    )
+    return common.make_mesh(shape, jax.sharding.AxisType.Auto)
 
 
 # Parameter path pattern -> how its axes are split; the first match wins. A parameter that no

@@ -43,7 +43,7 @@ class Config(common.Config):
 def make_mesh(config):
     # JAX's default mesh, of Explicit axes: shard_map makes every axis manual inside, and asks
     # only that the arrays going in are laid out as its in_specs say.
-    return jax.make_mesh((jax.device_count(),), ("data",))
+    return common.make_mesh({"data": jax.device_count()})
 
 
 STATE_SPEC = P()  # replicated: every device holds the whole TrainState

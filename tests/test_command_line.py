@@ -493,7 +493,7 @@ def test_devices_far_behind_the_host_do_not_deadlock():
     """tools/cpu_deadlock.py runs 300 programs with an all-gather over 4 emulated devices, none
     waited for. With XLA's own thread pool on this 2-core machine (4 threads: one per device) it
     hangs for good in its first all-gather; with the scripts' 2 x devices (common.py,
-    cpu_client_threads) it finishes in under a second."""
+    start_devices) it finishes in under a second."""
     # As a user's shell: none set
     env = {key: value for key, value in os.environ.items() if key != "PJRT_NPROC"}
     done = subprocess.run(

@@ -119,6 +119,49 @@ def test_collectives_are_counted_per_step_and_device():
     }
 
 
+# A TPU program's loop: no known_trip_count, only its condition `i < 5`; and a conditional
+LOOP = """HloModule step
+%B (p: (s32[], f32[8,4])) -> (s32[], f32[8,4]) {
+  %p = (s32[], f32[8,4]) parameter(0)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  %x = f32[8,4]{1,0} get-tuple-element(%p), index=1
+  %m = f32[8,8]{1,0} dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  %g = f32[64,4]{1,0} all-gather(%x), replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  ROOT %t = (s32[], f32[8,4]) tuple(%i, %x)
+}
+%C (p: (s32[], f32[8,4])) -> pred[] {
+  %p = (s32[], f32[8,4]) parameter(0)
+  %n = s32[]{:T(128)} constant(5)
+  %i = s32[]{:T(128)} get-tuple-element(%p), index=0
+  ROOT %lt = pred[]{:T(512)} compare(%i, %n), direction=LT
+}
+%Y (y: f32[8,4]) -> f32[8,8] {
+  %y = f32[8,4]{1,0} parameter(0)
+  ROOT %z = f32[8,8]{1,0} dot(%y, %y), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+}
+%N (y: f32[8,4]) -> f32[8,4] {
+  ROOT %y = f32[8,4]{1,0} parameter(0)
+}
+ENTRY %main (a: f32[8,4], q: pred[]) -> f32[8,4] {
+  %a = f32[8,4]{1,0} parameter(0)
+  %q = pred[] parameter(1)
+  %w = (s32[], f32[8,4]) while(%t), condition=%C, body=%B, metadata={op_name="while"}
+  ROOT %k = f32[8,8]{1,0} conditional(%q, %a, %a), BRANCHES
+}
+"""
+
+
+@pytest.mark.parametrize(
+    "branches", ["branch_computations={%N, %Y}", "true_computation=%Y, false_computation=%N"]
+)
+def test_a_loop_runs_as_often_as_its_condition_says(branches):
+    """TPU programs state no trip count: `i < 5` in the condition is 5 runs of the body (its
+    matmul, 2 x 8 x 8 x 4 FLOPs, and its all-gather); a conditional costs its costliest branch."""
+    hlo = LOOP.replace("BRANCHES", branches)
+    assert common.hlo_flops(hlo) == 5 * 512 + 512
+    assert [(c["op"], c["runs"]) for c in common.hlo_collectives(hlo)] == [("all-gather", 5)]
+
+
 @pytest.mark.parametrize(
     "name", matrix(["fsdp", "pjit_tp", "logical_fsdp_tp"], ["fsdp", "pjit_tp"])
 )

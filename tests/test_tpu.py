@@ -17,15 +17,16 @@ from tests.harness import MOE, ROOT, as_flags, matrix
 TOPOLOGY = "v5e:2x4"  # v5e-8: 8 chips, one host
 # The scripts' default width and length (smaller arrays would be mostly TPU's tile padding)
 SIZE = as_flags(dict(layers=2, d_model=128, seq_len=64, batch_size=32))
-# The collectives each docstring names for the script's defaults, by kind (on TPU as on CPU, the
-# compilers write the gradients' reduce-scatter of logical_pjit.py's and explicit_sharding.py's
-# fsdp_tp as an all-reduce at this size; logical_pjit.py's layout adds 2 tiny permutes).
+# The collectives each docstring names for the script's defaults, by kind (logical_pjit.py's and
+# explicit_sharding.py's fsdp_tp reduce-scatter their 'data' gradients in one, combined, which
+# XLA:CPU writes as all-reduces; logical_pjit.py's layout adds 2 tiny permutes).
 NAMED = {
+    "pmap_dp": {"all-reduce"},
     "shardmap_dp": {"all-reduce"},
     "fsdp": {"all-gather", "reduce-scatter", "all-reduce"},
     "pjit_tp": {"all-reduce"},
-    "logical_pjit": {"all-gather", "all-reduce", "collective-permute"},
-    "explicit_sharding": {"all-gather", "all-reduce"},
+    "logical_pjit": {"all-gather", "reduce-scatter", "all-reduce", "collective-permute"},
+    "explicit_sharding": {"all-gather", "reduce-scatter", "all-reduce"},
     "pipeline": {"collective-permute", "all-gather", "reduce-scatter", "all-reduce"},
     "context_parallel": {"collective-permute", "all-reduce"},
     "expert_parallel": {"all-to-all", "all-reduce"},
@@ -76,16 +77,17 @@ def test_every_script_compiles_for_a_tpu_slice(script, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "script, flags, why",
+    "script, topology, flags, why",
     [
-        ("pmap_dp", [], "it runs on the devices before it compiles its step"),
-        ("expert_parallel", as_flags(MOE), "e.g. --capacity-factor 1.25"),
+        ("pmap_dp", "v5p:4x4x4", ["--batch-size", "64"], "pmap lowers for shapes on one host only"),
+        ("expert_parallel", TOPOLOGY, as_flags(MOE), "e.g. --capacity-factor 1.25"),
     ],
 )
-def test_what_does_not_compile_for_tpu_says_why_in_one_line(script, flags, why):
-    """pmap_dp.py makes its state by running pmap before it compiles (JAX's pmap compiles for
-    shapes in one process only); dropless routing's grouped matmul does not lower for TPU."""
-    command = [sys.executable, "tools/compile_for.py", TOPOLOGY, f"{script}.py", *SIZE, *flags]
+def test_what_does_not_compile_for_tpu_says_why_in_one_line(script, topology, flags, why):
+    """JAX's pmap lowers for shapes within one process only (with several it assembles its
+    arguments from every process's arrays); dropless routing's grouped matmul does not lower
+    for TPU."""
+    command = [sys.executable, "tools/compile_for.py", topology, f"{script}.py", *SIZE, *flags]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert why in done.stderr

@@ -16,6 +16,8 @@ what to rent and which flags to pass, not a measurement.
 
 Slices: v5e:RxC and v6e:RxC (8 chips a host), v5p:AxBxC (4 chips a host), v4:AxBxC. The script
 takes its own flags; --metrics-file gets the report as its summary, --hlo the TPU program's text.
+A script that makes its state before it compiles (pmap_dp.py) is given the state's shapes; JAX's
+pmap lowers for shapes on one host only, so pmap_dp.py compiles for one-host slices.
 """
 
 import math
@@ -68,7 +70,7 @@ def tpu_devices(topology: str):
     register_backend_factory("compile_only", lambda: client, priority=1)
     jax.config.update("jax_platforms", "compile_only")
     # The compile-only client counts no device as local; pmap_dp.py asks how many are
-    jax.local_device_count = lambda backend=None: len(jax.local_devices(backend=backend))
+    type(client).local_device_count = lambda self: len(jax.local_devices())
 
 
 def per_chip(x) -> int:
@@ -109,7 +111,8 @@ def report(config, topology: str, compiled, state, seconds: float) -> dict:
     step_flops, per_token = common.hlo_flops(hlo), common.flops_per_token(config, params)
     model_flops = per_token * config.batch_size * config.seq_len / jax.device_count()
     wire = sum(c["wire_bytes"] for c in collectives.values())
-    # A loop whose trip count the TPU program does not state (pipeline.py's ticks) counts once
+    # A loop whose trip count the TPU program does not state (pipeline.py's ticks): its matmuls
+    # are counted (common._trips reads its condition), its HBM traffic (XLA's) once
     uncounted = sum(
         " while(" in line and "known_trip_count" not in line for line in hlo.split("\n")
     )
@@ -156,8 +159,8 @@ def lines(summary: dict) -> str:
             f"{tpu['step_seconds'] * 1e3:,.1f} ms (matmuls, HBM, collectives: {parts} ms), "
             f"MFU {tpu['mfu']:.1%}"
         )
-        if summary["loops_counted_once"]:  # its FLOPs, bytes and so its step are too low
-            text += f" ({summary['loops_counted_once']} loop(s) counted once: it takes longer)"
+        if loops := summary["loops_counted_once"]:  # its HBM traffic and so its step too low
+            text += f" (XLA counts {loops} loop(s)' HBM traffic once: it takes longer)"
     return text
 
 
@@ -172,21 +175,28 @@ def main(argv: list):
     tpu_devices(topology)
     sys.path.insert(0, str(Path(script).resolve().parent))  # the script's common.py
     import jax
+    import numpy as np
 
     try:
         import common
     except ImportError:
         fail(f"no common.py beside {script}: the tool runs a script of this project's")
 
-    configs = []
-    parse_config = common.parse_config
-    common.parse_config = lambda *a, **k: configs.append(parse_config(*a, **k)) or configs[-1]
+    sys.argv, reached = [script, *flags], []
+    try:  # the script's definitions, nothing run yet
+        script_main = runpy.run_path(script, run_name="compile_for")["main"]
+    except Exception as error:
+        fail(f"{script} does not load ({type(error).__name__}: {error})")
+    module = script_main.__globals__
+    config = common.parse_config(module["Config"], module["__doc__"])
     common.same_start_everywhere = lambda config: None  # one process stands for the slice's
 
     def compile_and_stop(step_fn, state, *args):
         """common.compile_step: compile on shapes, report, stop before anything is made."""
         began = time.perf_counter()
-        configs.append(None)  # reached: what fails now is the compile
+        reached.append(True)  # what fails now is the compile
+        if not hasattr(step_fn, "trace") and jax.process_count() > 1:  # jax.pmap's step
+            fail(f"{script}: pmap lowers for shapes on one host only, e.g. v5p:2x2x1 (one host)")
         try:
             compiled = step_fn.lower(state, *args).compile()
         except jax.errors.JaxRuntimeError as error:  # XLA's TPU compiler: more than the HBM
@@ -197,7 +207,6 @@ def main(argv: list):
                 f"the step does not fit ({why}): lower --batch-size or --seq-len, or add "
                 "--microbatches or --remat"
             )
-        config = configs[-2]
         summary = report(config, topology, compiled, state, time.perf_counter() - began)
         print(
             f"{script} compiled for {topology}: {summary['devices']} chips of "
@@ -216,16 +225,22 @@ def main(argv: list):
             )
         raise SystemExit(0)
 
-    common.compile_step = compile_and_stop
-    sys.argv = [script, *flags]
+    def rows_unread(dataset, config, step, split="train"):
+        """common.host_batch, its shape alone: pmap_dp.py compiles for its first batch."""
+        return np.zeros((config.batch_size // jax.process_count(), config.seq_len + 1), np.int32)
+
+    common.compile_step, common.host_batch = compile_and_stop, rows_unread
+    if made := module.get("init_state"):  # a state made before its step (pmap_dp.py's): shapes
+        module["init_state"] = lambda *a, **k: (
+            made(*a, **k) if k else jax.eval_shape(lambda: made(*a))
+        )
     try:
-        runpy.run_path(script, run_name="__main__")
+        script_main(config)
     except Exception as error:  # what does not compile for TPU, in one line
         why = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
-        c = configs[0] if configs else None
-        if c and configs[-1] is not None:  # it ran a computation before compiling its step
-            why += "; it runs on the devices before it compiles its step (pmap_dp.py its state)"
-        elif c and c.experts and not c.capacity_factor:  # the one known
+        if not reached:  # it ran a computation before compiling its step
+            why += "; it runs on the devices before it compiles its step"
+        elif config.experts and not config.capacity_factor:  # the one known
             why += "; dropless routing's grouped matmul does not lower for TPU in JAX 0.10.2"
             why += ", e.g. --capacity-factor 1.25"
         fail(f"{script} does not compile for {topology} ({why})")

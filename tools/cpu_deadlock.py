@@ -1,5 +1,5 @@
 """The hang of issue 28, on purpose: XLA's CPU client deadlocks when its thread pool has fewer
-than 2 x devices threads (common.cpu_client_threads says why).
+than 2 x devices threads (common.start_devices says why).
 
 Each step is one tiny program with an all-gather over every emulated device, dispatched
 without waiting, so more than 32 are soon in flight per device. With the scripts' setting

@@ -222,7 +222,7 @@ def main(config):
     """Train the layout by hand: logical_pjit.py's main, its step in shard_map."""
     assert config.rules == "fsdp_tp" and config.model == "gpt" and not config.experts
     common.setup(config)
-    mesh = jax.make_mesh(tuple(config.mesh_axes().values()), tuple(config.mesh_axes()))
+    mesh = common.make_mesh(config.mesh_axes())
     dataset = common.load_dataset(config)
     state_shapes = logical_pjit.init_state(config, mesh, shapes_only=True)
     state_spec = jax.tree.map(lambda x: x.sharding.spec, state_shapes)
