@@ -185,10 +185,11 @@ def main(argv: list):
     sys.argv, reached = [script, *flags], []
     try:  # the script's definitions, nothing run yet
         script_main = runpy.run_path(script, run_name="compile_for")["main"]
+        module = script_main.__globals__
+        config_class, doc = module["Config"], module["__doc__"]
     except Exception as error:
         fail(f"{script} does not load ({type(error).__name__}: {error})")
-    module = script_main.__globals__
-    config = common.parse_config(module["Config"], module["__doc__"])
+    config = common.parse_config(config_class, doc)
     common.same_start_everywhere = lambda config: None  # one process stands for the slice's
 
     def compile_and_stop(step_fn, state, *args):
