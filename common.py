@@ -1486,10 +1486,10 @@ def parse_config(config_class=Config, doc: str | None = None, argv: list | None 
         options = {k: v for k, v in field.metadata.items() if k != "min"}
         hint = typing.get_type_hints(config_class)[field.name]
         kind = next(t for t in typing.get_args(hint) or [hint] if t is not type(None))
-        metavar = None if "choices" in options or kind is bool else kind.__name__.upper()
         how = {"action": argparse.BooleanOptionalAction} if kind is bool else {"type": kind}
-        options.update(how)
-        parser.add_argument(flag(field.name), default=field.default, metavar=metavar, **options)
+        if kind is not bool and "choices" not in options:  # a switch takes none (Python 3.14)
+            how["metavar"] = kind.__name__.upper()
+        parser.add_argument(flag(field.name), default=field.default, **options, **how)
     return config_class(**vars(parser.parse_args(argv)))
 
 

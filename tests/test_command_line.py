@@ -3,6 +3,7 @@
 give the same losses, a non-finite loss stops it, and the loop runs the program the report
 describes."""
 
+import argparse
 import json
 import os
 import re
@@ -517,3 +518,17 @@ def test_the_log_and_the_summary_say_which_dtype_ran(tmp_path, capsys):
     assert result.summary["dtype"] == "bfloat16"
     written = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
     assert written["summary"]["dtype"] == "bfloat16"
+
+
+def test_a_switch_takes_no_metavar(monkeypatch):
+    """Python 3.12 deprecates BooleanOptionalAction's metavar, type and choices; 3.14 refuses
+    them, and every script would fail to start: parse_config passes none to a switch."""
+    given, init = [], argparse.BooleanOptionalAction.__init__
+
+    def record(self, *args, **kwargs):
+        given.append(kwargs)
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(argparse.BooleanOptionalAction, "__init__", record)
+    common.parse_config(common.Config, argv=[])
+    assert given and not any({"metavar", "type", "choices"} & k.keys() for k in given)

@@ -32,7 +32,7 @@ NAMED = {
     "expert_parallel": {"all-to-all", "all-reduce"},
 }
 # Dropless routing's grouped matmul (ragged_dot with a group per sequence) does not lower for
-# TPU in JAX 0.10.2: expert_parallel.py compiles with a capacity (docs/tpu.md).
+# TPU yet (JAX 0.10.2, 0.12): expert_parallel.py compiles with a capacity (docs/tpu.md).
 FLAGS = {"expert_parallel": as_flags({**MOE, "capacity_factor": 1.25})}
 
 

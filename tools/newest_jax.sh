@@ -11,10 +11,28 @@
 #   sudo tools/newest_jax.sh                          # the whole suite, about 18 minutes
 #   sudo tools/newest_jax.sh test_equivalence.py -x   # the headline proof alone
 #   NEWEST_JAX_ROOT=/srv/trixie sudo -E tools/newest_jax.sh
+#
+# With a Python 3.13 already on the machine (pyenv's, say) no root file system is needed, nor root:
+#   NEWEST_PYTHON=~/.pyenv/versions/3.13.0/bin/python3.13 tools/newest_jax.sh
+# Either way the newest JAX's libtpu goes into the copy's .tpu/, for tests/test_tpu.py.
 set -euo pipefail
 project=$(cd "$(dirname "$0")/.." && pwd)
 root=${NEWEST_JAX_ROOT:-/var/tmp/newest-jax-root}
 packages="jax flax optax orbax-checkpoint tensorflow-datasets importlib_resources pytest pytest-xdist matplotlib"
+libtpu='import importlib.metadata as m; print(next(r.split(";")[0] for r in m.requires("jax") if r.startswith("libtpu")))'
+versions='import sys, jax, flax, optax, orbax.checkpoint as o, numpy; print("Python", sys.version.split()[0], "| jax", jax.__version__, "| flax", flax.__version__, "| optax", optax.__version__, "| orbax-checkpoint", o.__version__, "| numpy", numpy.__version__)'
+
+if [ -n "${NEWEST_PYTHON:-}" ]; then
+  copy=$(mktemp -d)
+  trap 'rm -rf "$copy"' EXIT
+  (cd "$project" && git ls-files -z | xargs -0 cp --parents -t "$copy")
+  "$NEWEST_PYTHON" -m venv "$copy/venv"
+  "$copy/venv/bin/pip" install --quiet --upgrade pip $packages
+  "$copy/venv/bin/pip" install --quiet --target "$copy/.tpu" "$("$copy/venv/bin/python" -c "$libtpu")"
+  "$copy/venv/bin/python" -c "$versions"
+  cd "$copy" && "$copy/venv/bin/python" -m pytest "$@"
+  exit
+fi
 
 if [ ! -x "$root/usr/bin/python3" ]; then
   command -v debootstrap >/dev/null || { apt-get update -qq && apt-get install -y -qq debootstrap; }
@@ -37,7 +55,8 @@ env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 chroot "$root"
 set -euo pipefail
 [ -x /venv/bin/python ] || python3 -m venv /venv
 /venv/bin/pip install --quiet --upgrade pip $packages
-/venv/bin/python -c 'import sys, jax, flax, optax, orbax.checkpoint as o, numpy; print("Python", sys.version.split()[0], "| jax", jax.__version__, "| flax", flax.__version__, "| optax", optax.__version__, "| orbax-checkpoint", o.__version__, "| numpy", numpy.__version__)'
+/venv/bin/pip install --quiet --target /project/.tpu "\$(/venv/bin/python -c '$libtpu')"
+/venv/bin/python -c '$versions'
 cd /project
 exec /venv/bin/python -m pytest "\$@"
 EOF

@@ -46,7 +46,7 @@ SCRIPTS = {  # the script and what it needs beyond the size
     "explicit_sharding": "",
     "pipeline": "",
     "context_parallel": "",
-    # dropless routing's grouped matmul does not compile for TPU in JAX 0.10.2 (docs/tpu.md)
+    # dropless routing's grouped matmul does not compile for TPU yet (docs/tpu.md)
     "expert_parallel": "--experts 8 --capacity-factor 1.25",
 }
 
