@@ -9,7 +9,7 @@ fits in a chip's HBM, memory per chip, the collectives' bytes, and the step time
 predicted from it at the chip's published rates (tools/compile_for.py's CHIPS). These are
 compiled, not run.
 
-  python tools/tpu_slices.py --jobs 2             # print the table (about 40 minutes, 2 cores)
+  python tools/tpu_slices.py --jobs 2             # print the table (about an hour, 2 cores)
   python tools/tpu_slices.py --write              # and put its rows in docs/tpu.md's table
   python tools/tpu_slices.py --slices v5e:2x4 --sizes gpt2_small --scripts fsdp   # a part
 """
