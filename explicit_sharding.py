@@ -282,6 +282,8 @@ class Lookup(nnx.Module):
     def attend(self, query):  # a tied head's product with the table, as nnx.Embed's
         return self.embed.attend(query)
 
+    embedding = property(lambda self: self.embed.embedding)  # the table, as common.Head reads it
+
 
 class WholeSequence(nnx.Module):
     """A mixture of experts given whole sequences, its output split along them again."""

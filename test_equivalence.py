@@ -283,7 +283,7 @@ def record_parity(name, flags, measured, bounds, what):
     PARITY_RECORD set, one JSON line per comparison appended to that file (one per test worker):
     the loss's, gradient norm's and parameters' relative differences, and the largest element's."""
     path = os.environ.get("PARITY_RECORD")
-    if not path:
+    if not path or name not in STRATEGIES:  # tools/three_ways.py's manual_fsdp_tp: not a script
         return
     test = os.environ["PYTEST_CURRENT_TEST"].split("::")[-1].split("[")[0].split(" ")[0]
     record = {"test": test, "strategy": name, "flags": flags, "measured": measured}
@@ -387,11 +387,11 @@ TIED = {"gpt": {"tie_embeddings": True}, "llama": {"model": "tests.tied_llama"}}
 
 
 # Every pytest puts tying through the code it reaches: the tied GPT gathered once per use
-# (fsdp.py), the tied Llama on the pipeline's first and last stages (the
-# split along the vocabulary: test_vocabulary_is_split_over_model). -m full: both models under
-# every strategy.
+# (fsdp.py) and read through explicit_sharding.py's wrapped tables, the tied Llama on the
+# pipeline's first and last stages (the split along the vocabulary:
+# test_vocabulary_is_split_over_model). -m full: both models under every strategy.
 TIED_CASES = [(name, "gpt") for name in STRATEGIES] + [(name, "llama") for name in DENSE]
-TIED_DEFAULT = [("fsdp", "gpt"), ("pipeline_1f1b", "llama")]
+TIED_DEFAULT = [("fsdp", "gpt"), ("explicit_fsdp_tp", "gpt"), ("pipeline_1f1b", "llama")]
 
 
 @pytest.mark.parametrize("name, model", matrix(TIED_CASES, TIED_DEFAULT))
