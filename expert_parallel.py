@@ -60,7 +60,7 @@ class Config(common.Config):
     )
 
     def mesh_axes(self):
-        # 'auto': the experts split within a host (their all-to-all on its fastest links)
+        # 'auto': 'expert' within a host's count: on GPUs, one host (NVLink); TPU: a box of chips
         expert = math.gcd(self.experts, max(1, jax.device_count() // 2), jax.local_device_count())
         return common.mesh_shape(
             self.mesh, ("data", "expert"), {"data": jax.device_count() // expert, "expert": expert}

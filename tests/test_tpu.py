@@ -81,12 +81,13 @@ def test_every_script_compiles_for_a_tpu_slice(script, tmp_path):
     [
         ("pmap_dp", "v5p:4x4x4", ["--batch-size", "64"], "pmap lowers for shapes on one host only"),
         ("expert_parallel", TOPOLOGY, as_flags(MOE), "e.g. --capacity-factor 1.25"),
+        ("fsdp", "v4:2x2x1", [], "v4's compile-only devices are TensorCores"),
     ],
 )
 def test_what_does_not_compile_for_tpu_says_why_in_one_line(script, topology, flags, why):
     """JAX's pmap lowers for shapes within one process only (with several it assembles its
     arguments from every process's arrays); dropless routing's grouped matmul does not lower
-    for TPU."""
+    for TPU; libtpu's compile-only v4 devices are a chip's TensorCores, not a v4 run's chips."""
     command = [sys.executable, "tools/compile_for.py", topology, f"{script}.py", *SIZE, *flags]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
@@ -119,3 +120,59 @@ def test_the_predicted_step_is_its_parts_at_the_chips_rates():
     assert tpu["step_seconds"] == pytest.approx(2.5e-3)
     assert tpu["mfu"] == pytest.approx(0.2)
     assert tpu["hbm"] == 16 * 2**30
+
+
+# What the chips' makers publish, as their pages give it (read 2026-11-27): Google's
+# cloud.google.com/tpu/docs/v5e, v5p, v6e and v4 — peak bf16 TFLOP/s per chip, HBM per chip
+# (GiB: v5e's "16 GB" is 16 GiB, as XLA's TPU compiler allows 15.75 GiB of it), HBM GB/s,
+# bidirectional ICI GB/s per chip (v4's page gives none), chips per host. (The tool compiles
+# for no v4: libtpu's compile-only v4 devices are TensorCores, two a chip.)
+PUBLISHED = {
+    "TPU v5 lite": (197, 16, 819, 400, 8),
+    "TPU v5": (459, 95, 2765, 1200, 4),
+    "TPU v6 lite": (918, 32, 1638, 800, 8),
+    "TPU v4": (275, 32, 1200, None, 4),
+}
+# NVIDIA's data sheets: dense bf16 tensor TFLOP/s (half the "with sparsity" figure), by the
+# device_kind JAX reports
+GPUS = {
+    "NVIDIA H100 80GB HBM3": 989,
+    "NVIDIA H100 PCIe": 756,
+    "NVIDIA H200": 989,
+    "NVIDIA A100-SXM4-80GB": 312,
+}
+# Each chip kind the tool compiles for, on a slice of two hosts
+SLICES = {"TPU v5 lite": "v5e:4x4", "TPU v5": "v5p:2x2x2", "TPU v6 lite": "v6e:4x4"}
+
+
+def peak(device_kind):
+    """common.PEAK_FLOPS' figure for a device, as the cost report looks it up (first match)."""
+    return next((p for name, p in common.PEAK_FLOPS if name in device_kind.lower()), None)
+
+
+def test_the_chips_figures_are_their_makers():
+    """tools/compile_for.py's CHIPS and common.PEAK_FLOPS against the published figures, each
+    chip looked up by the device_kind JAX gives it (the first match wins: 'tpu v5' is in
+    'tpu v5 lite' too)."""
+    assert set(tool.CHIPS) == {kind.lower() for kind in SLICES}
+    for kind, (tflops, hbm, hbm_rate, ici_rate, _) in PUBLISHED.items():
+        assert peak(kind) == tflops * 1e12, kind
+        if kind in SLICES:
+            assert tool.CHIPS[kind.lower()] == (hbm * 2**30, hbm_rate * 1e9, ici_rate * 1e9), kind
+    for kind, tflops in GPUS.items():
+        assert peak(kind) == pytest.approx(tflops * 1e12, rel=1e-3), kind
+    assert peak("cpu") is None
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("kind", list(SLICES))
+def test_every_chip_the_tool_knows_compiles(kind, tmp_path):
+    """Each chip kind of CHIPS, once: the compile-only slice is that chip, as many a host as
+    its maker says, and the prediction uses its figures."""
+    tflops, hbm, *_, per_host = PUBLISHED[kind]
+    _, summary, _ = compile_for("fsdp", tmp_path, topology=SLICES[kind])
+    assert summary["device_kind"] == kind
+    assert summary["processes"] == 2 and summary["devices"] == 2 * per_host
+    assert summary["predicted"]["hbm"] == hbm * 2**30
+    compute = summary["predicted"]["seconds"]["compute"]
+    assert compute == pytest.approx(summary["step_flops"] / (tflops * 1e12))

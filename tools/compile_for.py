@@ -14,7 +14,8 @@ what to rent and which flags to pass, not a measurement.
       --seq-len 1024 --vocab-size 50304 --dtype bfloat16 --batch-size 64
   python tools/compile_for.py v5p:4x4x4 pjit_tp.py --metrics-file runs/v5p.jsonl --hlo step.txt
 
-Slices: v5e:RxC and v6e:RxC (8 chips a host), v5p:AxBxC (4 chips a host), v4:AxBxC. The script
+Slices: v5e:RxC and v6e:RxC (8 chips a host), v5p:AxBxC (4 chips a host); not v4, whose
+compile-only devices are its TensorCores, two a chip, where a v4 run's are chips. The script
 takes its own flags; --metrics-file gets the report as its summary, --hlo the TPU program's text.
 A script that makes its state before it compiles (pmap_dp.py) is given the state's shapes; JAX's
 pmap lowers for shapes on one host only, so pmap_dp.py compiles for one-host slices.
@@ -29,13 +30,11 @@ import time
 from pathlib import Path
 
 # A TPU chip's HBM bytes, HBM bytes/s and bidirectional inter-chip (ICI) bytes/s, by device_kind
-# (cloud.google.com/tpu/docs/v5e, v5p, v6e and v4; v4's ICI is not published there); its
-# peak FLOP/s is common.PEAK_FLOPS'.
+# (cloud.google.com/tpu/docs/v5e, v5p and v6e); its peak FLOP/s is common.PEAK_FLOPS'.
 CHIPS = {
     "tpu v5 lite": (16 * 2**30, 819e9, 400e9),  # v5e
     "tpu v5": (95 * 2**30, 2765e9, 1200e9),  # v5p
     "tpu v6 lite": (32 * 2**30, 1638e9, 800e9),  # v6e
-    "tpu v4": (32 * 2**30, 1200e9, None),
 }
 USAGE = "usage: python tools/compile_for.py SLICE SCRIPT.py [its flags], e.g. v5e:2x4 fsdp.py"
 
@@ -58,6 +57,8 @@ def tpu_devices(topology: str):
     os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-8")  # no TPU here: libtpu is quiet
     os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # none holds a TPU: no lock needed
+    if topology.startswith("v4:"):  # libtpu's compile-only v4 devices are TensorCores
+        fail("v4's compile-only devices are TensorCores, not a v4 run's chips, e.g. v5p:2x2x1")
     try:
         kind, shape = topology.split(":")
         eight = kind in ("v5e", "v6e") and math.prod(map(int, shape.split("x"))) % 8 == 0
