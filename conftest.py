@@ -23,6 +23,9 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jax-
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
+# Every compared run notes its flags here (tests/harness.py's record_flags; tools/flags.py).
+os.environ.setdefault("FLAGS_RECORD", tempfile.mkdtemp(prefix="flags-"))
+
 import jax  # noqa: E402
 
 # As the scripts do (common.start_devices): enough threads that XLA's CPU client cannot deadlock.
@@ -42,3 +45,23 @@ def pytest_collection_modifyitems(items):
         if group == "test_equivalence.py" and params and "name" in params:
             group = f"{group}::{params['name']}"
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+PASSED = set()  # the tests that passed in this session, as pytest-xdist reports them
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.passed:
+        PASSED.add(report.nodeid)
+
+
+def pytest_sessionfinish(session):
+    """docs/flags.md names tests that set each flag in a compared run: every one that passed
+    here must have (tools/flags.py --write makes the table anew)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") or not PASSED:
+        return
+    from tools import flags
+
+    if stale := flags.stale(os.environ["FLAGS_RECORD"], PASSED):
+        print("\ndocs/flags.md is out of date (python tools/flags.py):\n" + "\n".join(stale))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

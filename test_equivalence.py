@@ -55,6 +55,7 @@ from tests.harness import (
     matrix,
     model_flags,
     MOE,
+    record_flags,
     replica_groups,
     run,
     run_uncached,
@@ -211,6 +212,8 @@ def compare(
     run added to it."""
     flags = flags or {}
     label = " ".join([name, *as_flags(flags)])
+    if name in STRATEGIES:  # (tools/three_ways.py's manual_fsdp_tp is no script)
+        record_flags(STRATEGIES[name][0], result.config)
     loss_diff, norm_diff = (
         relative(result.losses, ref.losses),
         relative(result.grad_norms, ref.grad_norms),
@@ -453,8 +456,10 @@ def test_dropless_trains_as_a_capacity_with_room_for_every_token():
 def test_the_same_tokens_are_dropped(name):
     """With capacity for half the tokens, about half the choices are dropped: the same ones as on
     one device, where each device holds some of a sequence's tokens (context_parallel.py) or
-    sends them to other devices' experts (expert_parallel.py)."""
+    sends them to other devices' experts (expert_parallel.py). Switch's routing (one expert a
+    token, its weight the router's probability), 4 experts, a balance loss of 0.05."""
     flags = {**MOE, "capacity_factor": 0.5, "steps": 10}
+    flags.update(experts=4, top_k=1, router_aux_weight=0.05)
     ref = reference(**flags)
     assert min(step["dropped_share"] for step in ref.router) > 0.3
     compare(name, run(name, **flags), ref, flags)
@@ -562,6 +567,23 @@ def test_pipeline_matches(schedule, mesh, layers):
         reference(layers=layers),
         flags,
     )
+
+
+# -m full: a mesh given by hand where 'auto' gives another (data=2,model=4 on 8 devices), and
+# more groups of layers per stage than interleaving's default 2 (auto: data=4,stage=2)
+GIVEN = {
+    "pjit_tp": {"mesh": "data=4,model=2"},
+    "logical_fsdp_tp": {"mesh": "data=4,model=2"},
+    "explicit_fsdp_tp": {"mesh": "data=4,model=2"},
+    "pipeline_interleaved": {"virtual_stages": 4, "layers": 8},
+}
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("name", list(GIVEN))
+def test_a_layout_given_by_hand_matches(name):
+    flags = GIVEN[name]
+    compare(name, run(name, **flags), reference(layers=flags.get("layers", SMALL["layers"])), flags)
 
 
 @pytest.mark.full
@@ -1214,6 +1236,34 @@ def test_fsdp_gathers_again_for_the_backward_pass_unless_told_to_keep(keep):
     compare("fsdp", result, reference(), {"keep_gathered": True} if keep else {})
 
 
+# Every pytest: FSDP; -m full: HSDP, whose whole parameters are averaged across the replicas too
+@pytest.mark.parametrize("name", matrix(["fsdp", "hsdp"], ["fsdp"]))
+def test_parameters_below_min_shard_size_stay_whole_and_match(name):
+    """--min-shard-size 100: the norms' scales and biases and the biases of 64 values are whole
+    on every device, their gradients averaged as data parallelism does; the rest split."""
+    flags = {"min_shard_size": 100}
+    result = run(name, **flags)
+    boxes = jax.tree_util.tree_leaves_with_path(result.state.params, is_leaf=fsdp.is_sharded)
+    whole = [jax.tree_util.keystr(p) for p, box in boxes if not fsdp.is_sharded(box)]
+    sizes = [(box.get_value() if fsdp.is_sharded(box) else box).size for _, box in boxes]
+    assert all(fsdp.is_sharded(b) == (n >= 100) for (_, b), n in zip(boxes, sizes, strict=True))
+    assert len(whole) == 6 * SMALL["layers"] + 2, whole  # per block 2 norms and 2 biases; ln_f
+    compare(name, result, reference(), flags)
+
+
+def test_a_parameter_no_stage_count_divides_stays_whole_and_matches():
+    """A model 63 wide on 2 stages: the final norm's scale and bias (63 values) cannot be split
+    over 'stage', so every device holds them whole, and their gradient, made on the last stage
+    only, is summed over the stages (pipeline.py's scatter_embed_and_head) rather than
+    reduce-scattered."""
+    flags = {"d_model": 63, "heads": 7}
+    result = run("pipeline_1f1b", **flags)
+    shapes = shard_shapes(result)
+    assert shapes["head/ln_f/scale"] == shapes["head/ln_f/bias"] == (63,)
+    assert shapes["embed/position/embedding"] == (SMALL["seq_len"] // 2, 63)  # split over 'stage'
+    compare("pipeline_1f1b", result, reference(**flags), flags)
+
+
 def test_fsdp_gathers_a_tied_table_for_each_use():
     """--tie-embeddings: the one table is gathered for the lookup, and for the head as its
     kernel was, forward and again backward; no other copy of it is stored or gathered."""
@@ -1667,7 +1717,8 @@ TWO_PROCESSES = ["pmap_dp", "shardmap_dp", "pjit_tp", "context_parallel"]
 @pytest.mark.parametrize("name", matrix(SEVERAL, TWO_PROCESSES))
 def test_two_processes_match_one(name, tmp_path):
     """Each script from the command line, copied alone into a folder, as 2 processes x 4
-    devices: the same losses as 1 process x 8. The run stops after the warmup steps, whose
+    devices (told the coordinator's address, or, shardmap_dp.py's, finding it as a SLURM job's
+    processes do): the same losses as 1 process x 8. The run stops after the warmup steps, whose
     learning rates do not depend on --steps, so they compare with the 20-step run."""
     metrics = tmp_path / "metrics.jsonl"
     steps = SMALL["warmup_steps"]
@@ -1676,8 +1727,10 @@ def test_two_processes_match_one(name, tmp_path):
     flags = as_flags(
         {**SMALL, **strategy_flags, "steps": steps, "log_every": 1, "metrics_file": metrics}
     )
-    with cluster(script, tmp_path, flags) as procs:
+    # shardmap_dp.py's processes find each other as a SLURM job's do (--distributed)
+    with cluster(script, tmp_path, flags, slurm=name == "shardmap_dp") as procs:
         logs = wait_ok(procs, tmp_path)
+    record_flags(module, None, argv=procs[1].args[2:])  # process 1's: its --process-id, ...
     assert f"step {steps}/{steps}" in logs[0] and "step " not in logs[1]  # only process 0 reports
     assert f"in {PROCESSES} process(es)" in logs[0]
     records = [json.loads(line) for line in metrics.read_text().splitlines()]

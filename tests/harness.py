@@ -3,7 +3,9 @@ to run a script as a user does (alone in a folder, from the command line, as sev
 processes). Every test file imports from here, so each run is computed once per session."""
 
 import contextlib
+import dataclasses
 import functools
+import json
 import math
 import os
 import re
@@ -150,10 +152,41 @@ def model_flags(name) -> dict:
 
 
 def run_uncached(name, **overrides):
-    """Train a strategy on SMALL (with overrides) in this process; its common.Result."""
+    """Train a strategy on SMALL (with overrides) in this process; its common.Result, with the
+    config it ran (`config`)."""
     module, strategy_flags = STRATEGIES[name]
     config = module.Config(**{**SMALL, **EVAL, **strategy_flags, **overrides})
-    return module.main(config)
+    result = module.main(config)
+    result.config = config
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# The flags of compared runs (tests/test_flags.py): every flag must be set away from its default
+# in some run that is compared with something (one device, a definition written in a test, a
+# formula), or the code behind it could be wrong in any way.
+# ----------------------------------------------------------------------------------------------
+
+
+def changed_flags(module, config) -> list:
+    """The flags a config sets away from its script's defaults (module: the script, or common)."""
+    defaults = {f.name: f.default for f in dataclasses.fields(module.Config)}
+    return sorted(name for name, default in defaults.items() if getattr(config, name) != default)
+
+
+def record_flags(module, config, argv=None):
+    """Note that the running test compares a run of `module` with this config (or command line,
+    `argv`): one JSON line per run in $FLAGS_RECORD (conftest.py), read by tools/flags.py."""
+    folder = os.environ.get("FLAGS_RECORD")
+    if argv is not None:
+        config = common.parse_config(module.Config, None, [str(a) for a in argv])
+    if not folder:
+        return
+    test = os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0]
+    record = {"test": test, "script": module.__name__, "flags": changed_flags(module, config)}
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(os.path.join(folder, f"{worker}.jsonl"), "a") as file:
+        file.write(json.dumps(record) + "\n")
 
 
 @functools.cache
@@ -290,17 +323,34 @@ def free_port():
 PROCESSES = 2
 
 
+def slurm_job() -> dict:
+    """The environment SLURM gives a job of PROCESSES tasks on this machine (each task adds its
+    SLURM_PROCID); jax.distributed's coordinator port is 61440 + the job's id mod 4096: free."""
+    port = next(p for p in range(61440 + os.getpid() % 4000, 65536) if free(p))
+    job = dict(SLURM_NTASKS=PROCESSES, SLURM_JOB_ID=port - 61440, SLURM_STEP_NODELIST="localhost")
+    return {key: str(value) for key, value in job.items()}
+
+
+def free(port) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
 @contextlib.contextmanager
-def cluster(script, tmp_path, flags, heartbeat=30, extra=((), ()), started=(0, 1)):
+def cluster(script, tmp_path, flags, heartbeat=30, extra=((), ()), started=(0, 1), slurm=False):
     """Start PROCESSES copies of a script, each with DEVICES / PROCESSES CPU devices, from a
     folder holding only the script and common.py; kill any still running on the way out.
-    `extra` adds flags to each process; only the processes in `started` are started."""
+    `extra` adds flags to each process; only the processes in `started` are started. With
+    `slurm`, the processes find each other as a SLURM job's do (--distributed)."""
     copy_alone(script, tmp_path)
-    port = free_port()
-    procs = []
+    port, procs = free_port(), []
+    joined = [f"--coordinator-address=127.0.0.1:{port}", f"--num-processes={PROCESSES}"]
+    job = slurm_job() if slurm else {}
     try:
         for i in started:
             log = open(tmp_path / f"process{i}.log", "w")
+            join = ["--distributed"] if slurm else [*joined, f"--process-id={i}"]
+            env = {**os.environ, **job, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)}
             procs.append(
                 subprocess.Popen(
                     [
@@ -308,9 +358,7 @@ def cluster(script, tmp_path, flags, heartbeat=30, extra=((), ()), started=(0, 1
                         f"{script}.py",
                         *flags,
                         f"--cpu-devices={DEVICES // PROCESSES}",
-                        f"--coordinator-address=127.0.0.1:{port}",
-                        f"--num-processes={PROCESSES}",
-                        f"--process-id={i}",
+                        *join,
                         f"--heartbeat-timeout={heartbeat}",
                         *extra[i],
                     ],
@@ -318,6 +366,7 @@ def cluster(script, tmp_path, flags, heartbeat=30, extra=((), ()), started=(0, 1
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
+                    env=env if slurm else None,
                 )
             )
             log.close()

@@ -21,6 +21,7 @@ import pjit_tp
 import shardmap_dp
 from tests.harness import (
     LLAMA_SPECS,
+    STRATEGIES,
     RTOL,
     SMALL,
     TINY,
@@ -29,6 +30,7 @@ from tests.harness import (
     copy_alone,
     matrix,
     model_flags,
+    record_flags,
     run,
     run_script,
     run_uncached,
@@ -57,6 +59,7 @@ def interrupted(name, checkpoint_dir, **flags):
 def test_resume_is_exact_in_the_same_script(name, tmp_path):
     first = interrupted(name, tmp_path, dropout=0.1)  # dropout: the rng must resume too
     resumed = run_uncached(name, checkpoint_dir=str(tmp_path), checkpoint_every=10, dropout=0.1)
+    record_flags(STRATEGIES[name][0], resumed.config)
     print(f"\n{name} resumed at step 10: {len(resumed.losses)} steps, bitwise equal")
     # Bitwise
     assert resumed.losses == first.losses[10:] and resumed.grad_norms == first.grad_norms[10:]
@@ -82,6 +85,7 @@ def check_resumes(writer, reader, flags, folder, uninterrupted):
     """The reader resumes the writer's checkpoint of step 10 and trains on as if uninterrupted."""
     interrupted(writer, folder, **flags)
     resumed = run_uncached(reader, checkpoint_dir=str(folder), checkpoint_every=10, **flags)
+    record_flags(STRATEGIES[reader][0], resumed.config)
     diff = relative(resumed.losses, uninterrupted.losses[10:])
     norm_diff = relative(resumed.grad_norms, uninterrupted.grad_norms[10:])
     print(f"\n{writer} -> {reader} {flags}: loss {diff:.1e}, gradient norm {norm_diff:.1e}")
@@ -232,6 +236,7 @@ def test_a_resumed_run_keeps_every_metrics_record(tmp_path):
         log_every=1,
         metrics_file=str(metrics),
     )
+    record_flags(shardmap_dp, resumed.config)
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     steps = [(r["step"], "eval_loss" in r) for r in records[:-1]]  # the evaluation after step 20
     assert steps == [(s, False) for s in range(1, 21)] + [(20, True)] and "summary" in records[-1]
@@ -273,6 +278,7 @@ def test_a_save_killed_halfway_is_never_read(tmp_path):
         "metrics.jsonl",
     )
     assert done.returncode == 0, done.stderr[-2000:]
+    record_flags(shardmap_dp, None, argv=proc.args[2:])  # the run killed, with --keep 2
     assert f"resumed from the checkpoint of step {complete}" in done.stdout
     assert not any("tmp" in n for n in os.listdir(ckpt))  # cleaned up
     # The step after the checkpoint, as a run never killed trains it, bit for bit.

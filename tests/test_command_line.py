@@ -4,6 +4,7 @@ give the same losses, a non-finite loss stops it, and the loop runs the program 
 describes."""
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -12,21 +13,25 @@ import sys
 import time
 
 import jax
+import numpy as np
 import pytest
 
 import common
 from tests.harness import (
     DEFAULTS,
     ROOT,
+    RTOL,
     SCRIPTS,
     SMALL,
     TINY,
     copy_alone,
     matrix,
+    record_flags,
     run,
     run_script,
     run_uncached,
 )
+from test_equivalence import reference
 
 # Every XLA compilation, and every lowering to XLA, in this process
 COMPILATIONS, LOWERINGS = ([], [])
@@ -532,3 +537,37 @@ def test_a_switch_takes_no_metavar(monkeypatch):
     monkeypatch.setattr(argparse.BooleanOptionalAction, "__init__", record)
     common.parse_config(common.Config, argv=[])
     assert given and not any({"metavar", "type", "choices"} & k.keys() for k in given)
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_the_logged_speed_is_the_wall_clocks(every, monkeypatch, tmp_path):
+    """Each logged record's time a step, times the steps since the record before, is the wall
+    time between the two (as the test's own clock sees it, within 1% and 5 ms: the printing of
+    a line); its tokens a second the batch's tokens over that time; the summary's, the median
+    step's. With --log-every above 1 a record stands for several steps (that run also profiles
+    and prints its layout). None of it changes a loss: the warm-up's are one device's."""
+    written, write = [], common.Logger.write
+
+    def clocked(self, record):
+        written.append((time.perf_counter(), record))
+        write(self, record)
+
+    monkeypatch.setattr(common.Logger, "write", clocked)
+    flags = dict(steps=3 * every, log_every=every, eval_every=0, metrics_file=tmp_path / "m.jsonl")
+    if every > 1:
+        flags.update(profile=str(tmp_path / "profile"), show_sharding=True)
+    result = run_uncached("shardmap_dp", **flags)
+    record_flags(SCRIPTS["shardmap_dp"], result.config)
+    warm = min(SMALL["warmup_steps"], len(result.losses))  # rates that do not hang on --steps
+    pairs = zip(result.losses[:warm], reference().losses[:warm], strict=True)
+    assert max(abs(a / b - 1) for a, b in pairs) < RTOL
+    (*logged, (_, summary)), tokens = written, SMALL["batch_size"] * SMALL["seq_len"]
+    assert [r["step"] for _, r in logged] == list(range(every, 3 * every + 1, every))
+    for (before, _), (now, record) in itertools.pairwise(logged):
+        took = record["step_seconds"] * every
+        assert abs(took - (now - before)) <= 0.01 * took + 0.005, (took, now - before)
+    for _, record in logged:
+        assert record["tokens_per_sec"] == pytest.approx(tokens / record["step_seconds"])
+    steps = [r["step_seconds"] for _, r in logged for _ in range(every)]
+    assert summary["summary"]["step_seconds"] == pytest.approx(float(np.median(steps)))
+    assert summary["summary"]["tokens_per_sec"] == pytest.approx(tokens / np.median(steps))

@@ -29,6 +29,7 @@ from tests.harness import (
     as_flags,
     copy_alone,
     matrix,
+    record_flags,
     run,
     run_script,
     run_uncached,
@@ -319,6 +320,7 @@ def test_scanned_compile_time_does_not_grow_with_layers(tmp_path):
 def test_show_sharding_prints_every_parameter(tmp_path):
     done = run_script("fsdp", tmp_path, *TINY, "--show-sharding")
     assert done.returncode == 0, done.stderr[-2000:]
+    record_flags(fsdp, None, argv=[*TINY, "--show-sharding"])  # the table against the state
     table = dict(
         (line.split()[0], line.split()[1:])
         for line in done.stdout.splitlines()

@@ -2,6 +2,7 @@
 the synthetic source's loss floor; real text through TFDS, on a dataset the tests build
 (nothing can be downloaded in CI)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -15,7 +16,17 @@ import tensorflow_datasets as tfds
 
 import common
 import shardmap_dp
-from tests.harness import DEFAULTS, ROOT, SMALL, TINY, matrix, run, run_script
+from tests.harness import (
+    DEFAULTS,
+    ROOT,
+    SCRIPTS,
+    SMALL,
+    TINY,
+    matrix,
+    record_flags,
+    run,
+    run_script,
+)
 
 
 def test_batches_depend_only_on_seed_and_step():
@@ -171,17 +182,33 @@ class EmptyText(TinyText):
             yield i, {"text": text}
 
 
+class BodyText(TinyText):
+    """The same texts under another feature's name, as many datasets name theirs."""
+
+    def _info(self):
+        return tfds.core.DatasetInfo(
+            builder=self, features=tfds.features.FeaturesDict({"body": tfds.features.Text()})
+        )
+
+    def _generate_examples(self, text):
+        yield 0, {"body": text}
+
+
 @pytest.fixture(scope="session")
 def text_data_dir(tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("tfds")
-    TinyText(data_dir=data_dir, file_format="array_record").download_and_prepare()
-    EmptyText(data_dir=data_dir, file_format="array_record").download_and_prepare()
+    for builder in (TinyText, EmptyText, BodyText):
+        builder(data_dir=data_dir, file_format="array_record").download_and_prepare()
     return str(data_dir)
 
 
-def test_text_batches_are_windows_of_the_text(text_data_dir):
-    config = common.Config(**{**SMALL, "dataset": "tiny_text", "data_dir": text_data_dir})
+@pytest.mark.parametrize("name, key", [("tiny_text", "text"), ("body_text", "body")])
+def test_text_batches_are_windows_of_the_text(name, key, text_data_dir):
+    """Every row a window of its split's text (the feature --text-key names)."""
+    flags = {"dataset": name, "data_dir": text_data_dir, "text_key": key}
+    config = common.Config(**{**SMALL, **flags})
     data = common.load_dataset(config)
+    record_flags(common, config)  # the batches against the texts they come from
     batch = data.batch(3, 0, config.batch_size)
     assert batch.shape == (16, 33) and batch.dtype == np.int32
     for split, text in (("train", TEXTS["train"]), ("eval", TEXTS["validation"])):
@@ -332,11 +359,73 @@ def test_scripts_train_on_your_own_loader(token_dir):
     see the same batches (their losses agree as on the synthetic data) and learn."""
     flags = dict(dataset="tests/token_data.py", data_dir=token_dir, vocab_size=512)
     first, second = run("shardmap_dp", **flags), run("fsdp", **flags)
+    for script, result in (("shardmap_dp", first), ("fsdp", second)):
+        record_flags(SCRIPTS[script], result.config)
     assert max(abs(a - b) / b for a, b in zip(first.losses, second.losses, strict=True)) < 1e-5
     assert first.losses[-1] < first.losses[0] - 1
     assert first.summary["loss_floor"] is None and "tokens.npy: 50,000 tokens" in str(
         common.load_dataset(common.Config(**{**SMALL, **flags})).describe()
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Every source alike: a batch is a function of (seed, step, rows), its rows are different
+# sequences, and the held-out rows are never trained on
+# ----------------------------------------------------------------------------------------------
+
+SOURCES = ["synthetic", "text-file", "tfds", "your-loader"]
+
+
+@pytest.fixture(params=SOURCES)
+def source(request, text_data_dir, token_dir, tmp_path):
+    """A source's config: seed 5, 16 rows of 32 tokens, and its --dataset (and folder)."""
+    flags = {
+        "synthetic": {},
+        "text-file": {"dataset": str(tmp_path / "input.txt")},
+        "tfds": {"dataset": "tiny_text", "data_dir": text_data_dir},
+        "your-loader": {"dataset": "tests/token_data.py", "data_dir": token_dir, "vocab_size": 512},
+    }[request.param]
+    (tmp_path / "input.txt").write_text(words(3, 20_000))
+    return common.Config(**{**SMALL, "seed": 5, **flags})
+
+
+def opened(config):
+    """The dataset, opened anew (load_dataset keeps one per config)."""
+    return common.load_dataset.__wrapped__(config)
+
+
+def test_a_batch_is_a_function_of_seed_step_and_rows(source):
+    """Any slice of rows of a batch is made alone and equals those rows of the whole batch, in
+    any order of calls, from any opening of the source; another step, split or seed gives other
+    rows. So every process builds its own rows, and a resumed run sees the batches it missed."""
+    data, rows = opened(source), source.batch_size
+    whole = data.batch(7, 0, rows)
+    assert whole.shape == (rows, source.seq_len + 1) and whole.dtype == np.int32
+    assert 0 <= whole.min() and whole.max() < source.vocab_size
+    again = opened(source)
+    again.batch(9, 2, 5, "eval")  # another call first: no state carried from call to call
+    for start, stop in [(0, 3), (3, 11), (11, rows), (5, 6)]:
+        np.testing.assert_array_equal(again.batch(7, start, stop), whole[start:stop])
+    np.testing.assert_array_equal(data.batch(7, 0, rows), whole)
+    other_seed = opened(dataclasses.replace(source, seed=6)).batch(7, 0, rows)
+    for other in (data.batch(8, 0, rows), data.batch(7, 0, rows, "eval"), other_seed):
+        assert not (other == whole).all(axis=1).any()  # not one row the same
+
+
+def test_the_rows_of_a_batch_are_different_sequences(source):
+    data = opened(source)
+    for step in range(4):
+        for split in common.SPLITS:
+            batch = data.batch(step, 0, source.batch_size, split)
+            assert len({row.tobytes() for row in batch}) == len(batch), (step, split)
+
+
+def test_no_held_out_row_is_trained_on(source):
+    """The batches a run evaluates share no sequence with the 20 steps' training batches."""
+    data = opened(source)
+    held_out = common.eval_batches(data, dataclasses.replace(source, eval_batches=3))
+    trained = {row.tobytes() for step in range(source.steps) for row in data.batch(step, 0, 16)}
+    assert len(held_out) == 3 and not any(row.tobytes() in trained for b in held_out for row in b)
 
 
 def loader(batch):

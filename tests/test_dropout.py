@@ -1,22 +1,35 @@
-"""Dropout is on when asked for, and every device draws its own masks.
+"""Dropout is on when asked for, every mask is drawn once, and evaluation drops nothing.
 
 The equivalence proof runs with dropout 0 (one device cannot draw the masks of eight), so it
-cannot see dropout at all: a script that never dropped anything, or whose devices all drew
-the same masks (one key for every device: each mask then repeats on every device's rows,
-which is not dropout of the global batch), would pass it. Here every script trains a step
-with dropout 0.1 while a probe records each mask a dropout layer draws and on which device.
+cannot see dropout at all: a script that never dropped anything, whose devices all drew the
+same masks (one key for every device: each mask then repeats on every device's rows, which is
+not dropout of the global batch), whose micro-batches, layers or steps reused a key, or which
+evaluated with dropout on, would pass it. Here every script trains 2 steps of 2 micro-batches
+with dropout 0.1 while a probe records each mask a dropout layer draws and on which device,
+then evaluates.
 """
 
 import hashlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 from jax import lax
 
-from tests.harness import DEFAULTS, RTOL, SMALL, STRATEGIES, matrix, model_flags, run_uncached
-from test_equivalence import reference
+import common
+from tests.harness import (
+    DEFAULTS,
+    DEVICES,
+    RTOL,
+    SMALL,
+    STRATEGIES,
+    model_flags,
+    record_flags,
+    run_uncached,
+)
+from test_equivalence import global_params, reference
 
 RATE = 0.1
 
@@ -52,43 +65,54 @@ def digest(mask) -> str:
     return hashlib.sha256(np.packbits(mask).tobytes() + str(mask.shape).encode()).hexdigest()
 
 
-# Every pytest: each way of drawing a device's masks once (tests/test_command_line.py's BITWISE):
-# a device's index folded in by hand (shardmap_dp.py; fsdp.py and expert_parallel.py the same,
-# and context_parallel.py for its pieces of a sequence), the compiler splitting one draw
-# (pjit_tp.py; logical_pjit.py and explicit_sharding.py the same), pmap_dp.py's and pipeline.py's.
-DRAWS = ["shardmap_dp", "context_parallel", "pjit_tp", "pmap_dp", "pipeline_1f1b"]
+# Who draws each mask: under shard_map and pmap every device its own (its rows, or its pieces of
+# the sequences), each data shard's stages their own layers' (pipeline.py); under jax.jit one
+# mask of the global batch, which the compiler splits (pjit_tp.py, logical_pjit.py,
+# explicit_sharding.py). Every script in every pytest.
+BY_JIT = ("pjit_tp", "logical_fsdp_tp", "explicit_fsdp_tp")
+STEPS, MICROBATCHES = 2, 2
 
 
-@pytest.mark.parametrize("name", matrix(list(DEFAULTS.values()), DRAWS))
-def test_dropout_is_on_and_every_device_draws_its_own_masks(name, monkeypatch):
-    """With --dropout 0.1, each dropout layer drops about a tenth of its activations, the loss is
-    not dropout 0's, and no mask is drawn on two devices: where the script writes each device's
-    step (shard_map, pmap), every device reports its masks and none appears on another device;
-    under jax.jit one mask covers the global batch, and the pieces of it that the devices' rows
-    take differ."""
+def drawers(name, config) -> int:
+    """How many draw their own masks of a dropout layer in one micro-batch."""
+    if name in BY_JIT:
+        return 1
+    return config.mesh_axes()["data"] if name.startswith("pipeline") else DEVICES
+
+
+@pytest.mark.parametrize("name", list(DEFAULTS.values()))
+def test_dropout_is_on_and_every_mask_is_drawn_once(name, monkeypatch):
+    """With --dropout 0.1 over 2 steps of 2 micro-batches, each dropout layer drops about a tenth
+    of its activations, and every mask is new: as many different masks as there are dropout
+    layers (the embedding's, and attention's and the MLP's in each block) x micro-batches x
+    steps x those who draw them, none on two devices (a mask drawn again for the backward pass
+    is the same mask, on the same device); under jax.jit, the pieces the devices' rows take
+    differ. The evaluation draws none, and the first step's loss is not dropout 0's."""
     masks = probe_dropout(monkeypatch)
-    result = run_uncached(name, dropout=RATE, steps=1, eval_every=0)
+    result = run_uncached(
+        name, dropout=RATE, steps=STEPS, microbatches=MICROBATCHES, eval_every=STEPS, eval_batches=1
+    )
     jax.effects_barrier()  # every report is in
     assert masks, "no dropout layer drew a mask"
     where = {}  # mask digest -> the devices that drew it
     for device, path, mask in masks:
         if mask.size >= 1000:  # a tenth dropped, give or take the sampling
             assert abs(mask.mean() - RATE) < 0.03, (path, mask.mean())
-        if device >= 0:
-            where.setdefault((path, digest(mask)), set()).add(device)
-        else:  # the global batch's mask, its rows split over the batch's devices as the batch is
-            module, flags = STRATEGIES[name]
-            shards = module.Config(**{**SMALL, **flags}).batch_shards()
+        where.setdefault((path, digest(mask)), set()).add(device)
+        if device < 0:  # the global batch's mask, its rows split over the batch's devices
+            shards = result.config.batch_shards()
             pieces = {digest(piece) for piece in np.split(mask, shards)}
             assert len(pieces) == shards, f"{path}: the devices' rows drew the same masks"
     shared = {key: devices for key, devices in where.items() if len(devices) > 1}
-    devices = {device for device, *_ in masks}
+    layers = 1 + 2 * result.config.layers
+    expected = layers * MICROBATCHES * STEPS * drawers(name, result.config)
     print(
-        f"\n{name}: {len(masks)} masks from {len(devices)} device(s), {len(shared)} drawn on more "
-        "than one"
+        f"\n{name}: {len(masks)} masks drawn, {len(where)} different ({expected} expected: "
+        f"{layers} layers x {MICROBATCHES} micro-batches x {STEPS} steps x "
+        f"{drawers(name, result.config)}), {len(shared)} on more than one device"
     )
     assert not shared, f"masks drawn on more than one device: {sorted(shared.values())[:3]}"
-    assert len(devices) > 1 or devices == {-1}
+    assert len(where) == expected
     # The first step's loss and gradient against dropout 0's, on the same batch and parameters.
     ref = reference(**model_flags(name))
     loss, norm = (
@@ -98,3 +122,15 @@ def test_dropout_is_on_and_every_device_draws_its_own_masks(name, monkeypatch):
     print(f"{name}: the first step's loss {loss:.1e} and gradient norm {norm:.1e} from dropout 0's")
     # Measured: at least 5.2e-5, 8.2e-3
     assert loss > RTOL and norm > 100 * RTOL, "as if dropout were 0"
+    # The held-out loss, as the run logged it, is the final weights' without dropout
+    record_flags(STRATEGIES[name][0], result.config)
+    config = common.Config(**{**SMALL, **model_flags(name), "dropout": 0.0})
+    params = global_params(name, result.state)
+    batch = jnp.asarray(common.load_dataset(config).batch(0, 0, config.batch_size, "eval"))
+    losses, _ = jax.jit(common.token_losses, static_argnums=1)(
+        params, common.make_model(config), batch
+    )
+    held_out = float(losses.mean())
+    off = abs(result.summary["eval_loss"] - held_out) / held_out
+    print(f"{name}: held-out loss {result.summary['eval_loss']:.6f}, without dropout {off:.1e} off")
+    assert off <= RTOL

@@ -6,8 +6,11 @@ The equivalence tests run the same common.py on one device and on eight, so a wr
 lesson is wrong on both sides and passes them. (The mixture of experts' routing against its own
 reference: tests/test_experts.py.)"""
 
+import dataclasses
 import functools
+import itertools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -68,6 +71,72 @@ def test_adamw_decays_the_kernels_and_embeddings_only(model):
         decayed = value * (1 - lr * config.weight_decay) if name in DECAYED[model] else value
         np.testing.assert_allclose(after[name], decayed, rtol=1e-6, err_msg=name)
         assert (after[name] != value).any() == (name in DECAYED[model]), name
+
+
+# Where a run starts, as GPT-2 states it (Radford et al. 2019; nanoGPT): every weight matrix
+# and embedding drawn from a normal of standard deviation 0.02, those that write into the
+# residual stream (attention's output, the MLP's second layer; an expert's too) 0.02 / sqrt(2 x
+# layers); biases 0, norms' scales 1; each drawn on its own. First match wins.
+START = (
+    (r"/(ln1|ln2|ln_f)/scale$", "ones"),
+    (r"/bias$|/router_bias$", "zeros"),
+    (r"/(attn/out|fc2)/kernel$", "residual"),
+    (r"/(kernel|embedding)$", "normal"),
+)
+STARTS = {
+    "gpt": {},
+    "scanned": {"scan_layers": True},
+    "tied": {"tie_embeddings": True},
+    "moe": MOE,
+    "grouped-query": {"kv_heads": 2, "mlp_dim": 96},
+}
+
+
+def draws(params, scanned) -> dict:
+    """{path: values} of every parameter; a scanned model's blocks one by one, as unscanned."""
+    found = names(params)
+    if scanned:
+        for path in [p for p in found if p.startswith("blocks/")]:
+            for i, layer in enumerate(found.pop(path)):
+                found[path.replace("blocks/", f"block_{i}/")] = layer
+    return found
+
+
+@pytest.mark.parametrize("model", STARTS)
+def test_the_run_starts_where_gpt2_says(model):
+    """Every initial parameter against START: a normal's mean, standard deviation and share
+    within one deviation (0.683; a uniform has 0.577) within 5 standard errors of the stated
+    ones; constants exact. Each an independent draw: no two parameters, blocks or experts
+    correlated beyond 5 standard errors (the same key drawn twice gives the same numbers,
+    whatever the shape). Another --seed starts elsewhere."""
+    config = common.Config(**{**SMALL, "layers": 3, "seed": 7, **STARTS[model]})
+    state = common.create_state(config, common.make_model(config))
+    params = draws(state.params, config.scan_layers)
+    residual = 0.02 / math.sqrt(2 * config.layers)
+    normals = {}
+    for path, x in params.items():
+        kind = next(kind for pattern, kind in START if re.search(pattern, "/" + path))
+        if kind in ("ones", "zeros"):
+            assert (x == (kind == "ones")).all(), path
+            continue
+        sigma, n = (residual if kind == "residual" else 0.02), x.size
+        assert abs(x.mean()) <= 5 * sigma / math.sqrt(n), (path, x.mean())
+        assert abs(x.std() / sigma - 1) <= 5 / math.sqrt(2 * n), (path, x.std(), sigma)
+        within = (abs(x) < sigma).mean()
+        assert abs(within - 0.6827) <= 5 * math.sqrt(0.6827 * 0.3173 / n), (path, within)
+        # an expert's kernel is one draw per expert, as a block is one per block
+        pieces = x if path.startswith("block") and "mlp/fc" in path and x.ndim == 3 else [x]
+        for i, piece in enumerate(pieces):
+            normals[f"{path}[{i}]"] = piece.ravel() / sigma
+    pairs = itertools.combinations(normals.items(), 2)
+    for (a, x), (b, y) in pairs:
+        n = min(x.size, y.size)
+        assert abs(x[:n] @ y[:n]) / n <= 5 / math.sqrt(n), f"{a} and {b} are not independent"
+    seed = dataclasses.replace(config, seed=8)
+    other = draws(common.create_state(seed, common.make_model(seed)).params, config.scan_layers)
+    assert not any(
+        (other[path.split("[")[0]] == params[path.split("[")[0]]).all() for path in normals
+    )
 
 
 def learning_rate(step, lr, warmup, steps):

@@ -6,6 +6,8 @@ from the table alone, not from how make_schedule builds it."""
 import numpy as np
 import pytest
 
+import common
+import pipeline
 from pipeline import (
     BACKWARD,
     COLUMNS,
@@ -19,6 +21,7 @@ from pipeline import (
     WEIGHT_GRAD,
     make_schedule,
 )
+from tests.harness import record_flags
 
 SIZES = sorted(
     {(stages, microbatches) for stages in (2, 3, 4, 8) for microbatches in (stages, 2 * stages, 16)}
@@ -39,6 +42,32 @@ def bubble_formula(kind, stages, microbatches, virtual):
         kind, microbatches
     )
     return (stages - 1) / (work + stages - 1)
+
+
+@pytest.mark.parametrize("kind", SCHEDULES)
+def test_show_schedule_prints_each_stages_work_once_in_the_formulas_ticks(kind, capsys):
+    """pipeline.py --show-schedule, as run from the command line, trains nothing and prints one
+    row per stage: each micro-batch's forward and backward there once per group of layers
+    (zero-bubble: and its weights' gradient), in as many ticks as the bubble's formula counts
+    (the stage's work over 1 - bubble). On 4 stages of 8 micro-batches; interleaved, 4 groups
+    of layers per stage (--virtual-stages 4, 16 layers)."""
+    stages, microbatches, virtual = 4, 8, 4 if kind == "interleaved" else 1
+    flags = ["--show-schedule", "--schedule", kind, "--mesh", "data=2,stage=4"]
+    flags += ["--microbatches", "8", "--layers", str(stages * virtual)]
+    flags += ["--virtual-stages", "4"] if kind == "interleaved" else []
+    config = common.parse_config(pipeline.Config, None, flags)
+    assert pipeline.main(config) is None
+    record_flags(pipeline, config)
+    rows = [line.split(": ")[1].split() for line in capsys.readouterr().out.splitlines()[3:]]
+    ops = "FBW" if kind == "zero-bubble" else "FB"
+    work = len(ops) * virtual * microbatches
+    for s, row in enumerate(rows):
+        done = sorted(cell for cell in row if cell != ".")
+        groups = [f"{v * stages + s}" if virtual > 1 else "" for v in range(virtual)]
+        expected = [f"{g}{op}{m}" for g in groups for op in ops for m in range(microbatches)]
+        assert done == sorted(expected), s
+    ticks = work / (1 - bubble_formula(kind, stages, microbatches, virtual))
+    assert len(rows) == stages and all(len(row) == round(ticks) for row in rows)
 
 
 def most_held(kind, stages, microbatches, virtual, s):

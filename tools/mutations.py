@@ -34,10 +34,12 @@ ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "mutations.md"
 MARKER = re.compile(r"<!-- mutations:start -->\n.*?<!-- mutations:end -->", re.DOTALL)
 EQ = "test_equivalence.py"
-DROPOUT = "tests/test_dropout.py::test_dropout_is_on_and_every_device_draws_its_own_masks"
+DROPOUT = "tests/test_dropout.py::test_dropout_is_on_and_every_mask_is_drawn_once"
 LESSON = "tests/test_lesson.py"
 EXPERTS = "tests/test_experts.py"
 MEANT = f"{EQ}::test_every_preset_is_what_its_strategy_means"
+DATA = "tests/test_data.py"
+MESHES = "tests/test_meshes.py::test_every_auto_mesh_is_what_its_script_says"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,6 +412,118 @@ BUGS = [
         "return common.eval_metrics(state, batch)",
         "pmap's held-out loss is one device's rows, not the batch's (a missing psum)",
         (f"{EQ}::test_matches_single_device_reference[pmap_dp]",),
+    ),
+    # Kinds no test looked at (issue 64's rules). A flag no compared run set:
+    Bug(
+        "fsdp.py",
+        "return lax.pmean(grad, every_device())",
+        "return lax.psum(grad, every_device())",
+        "FSDP sums the gradient of a parameter it leaves whole (--min-shard-size) over the "
+        "devices instead of averaging it",
+        (f"{EQ}::test_parameters_below_min_shard_size_stay_whole_and_match[fsdp]",),
+    ),
+    Bug(
+        "pipeline.py",
+        'return lax.psum(g, "stage")',
+        "return g",
+        "a parameter no stage count divides keeps its own stage's gradient: the last stage's "
+        "for the final norm, zero on the others",
+        (f"{EQ}::test_a_parameter_no_stage_count_divides_stays_whole_and_matches",),
+    ),
+    # Where the run starts, and its randomness
+    Bug(
+        "common.py",
+        "return 1 / math.sqrt(2 * config.layers)",
+        "return 1 / math.sqrt(config.layers)",
+        "the projections into the residual stream start at 1/sqrt(layers), not GPT-2's "
+        "1/sqrt(2 x layers), of 0.02",
+        (f"{LESSON}::test_the_run_starts_where_gpt2_says",),
+    ),
+    Bug(
+        "common.py",
+        "key = jax.random.fold_in(rng, i)",
+        "key = rng",
+        "every micro-batch of a step draws the same dropout masks",
+        (f"{DROPOUT}[shardmap_dp]",),
+    ),
+    Bug(
+        "common.py",
+        'x, more = block(params[f"block_{i}"], x, key(i + 1))',
+        'x, more = block(params[f"block_{i}"], x, key(1))',
+        "every block draws the first block's dropout masks: one key for every layer",
+        (f"{DROPOUT}[shardmap_dp]",),
+    ),
+    Bug(
+        "common.py",
+        "losses, _ = token_losses(state.params, state.apply_fn, tokens)",
+        "losses, _ = token_losses(state.params, state.apply_fn, tokens, state.rng)",
+        "the held-out loss is computed with dropout on",
+        (f"{DROPOUT}[shardmap_dp]",),
+    ),
+    # The data's rows
+    Bug(
+        "common.py",
+        "rng = np.random.default_rng((self.seed, SPLITS[split], step, row))",
+        "rng = np.random.default_rng((self.seed, SPLITS[split], step))",
+        "a text file's batch is one window of the text, repeated in every row",
+        (f"{DATA}::test_the_rows_of_a_batch_are_different_sequences",),
+    ),
+    # The meshes chosen for device and host counts the tests do not run on
+    Bug(
+        "expert_parallel.py",
+        "expert = math.gcd(self.experts, max(1, jax.device_count() // 2), "
+        "jax.local_device_count())",
+        "expert = math.gcd(self.experts, max(1, jax.device_count() // 2))",
+        "expert parallelism's 'auto' splits the experts over more devices than a host has: its "
+        "all-to-all crosses hosts (the same mesh on 8 devices)",
+        (f"{MESHES}[expert_parallel]",),
+    ),
+    Bug(
+        "pjit_tp.py",
+        "model = max(m for m in (1, 2, 4) if n % m == 0 and kv % m == 0 and m <= max(1, n // 2))",
+        "model = max(m for m in (1, 2, 4) if n % m == 0 and kv % m == 0)",
+        "tensor parallelism's 'auto' puts all 4 devices of a 4-device host on 'model', leaving "
+        "no data parallelism (the same mesh on 8 devices)",
+        (f"{MESHES}[pjit_tp]",),
+    ),
+    # The tools' own figures
+    Bug(
+        "common.py",
+        '("tpu v5", 459e12),  # v5p',
+        '("tpu v5", 495e12),  # v5p',
+        "v5p's peak is 495 TFLOP/s, not its maker's 459: every v5p MFU and predicted step off",
+        ("tests/test_tpu.py::test_the_chips_figures_are_their_makers",),
+    ),
+    Bug(
+        "common.py",
+        "seconds, self.last_time = (now - self.last_time) / count, now",
+        "seconds, self.last_time = now - self.last_time, now",
+        "with --log-every above 1, the time a step logged is the whole interval's",
+        ("tests/test_command_line.py::test_the_logged_speed_is_the_wall_clocks",),
+    ),
+    # The lesson against a plain implementation of it
+    Bug(
+        "common.py",
+        "scale_init=ones, bias_init=zeros, rngs=rngs)",
+        "scale_init=ones, bias_init=zeros, rngs=rngs, epsilon=1e-5)",
+        "the norms' epsilon is PyTorch's 1e-5, not the model's 1e-6 (Flax's)",
+        ("tests/test_oracle.py",),
+    ),
+    Bug(
+        "common.py",
+        'ADAM = {"b1": 0.9, "b2": 0.95, "eps": 1e-8}',
+        'ADAM = {"b1": 0.9, "b2": 0.999, "eps": 1e-8}',
+        "AdamW's second moment decays by optax's default 0.999, not GPT-3's 0.95",
+        ("tests/test_oracle.py",),
+    ),
+    # What several processes print: the error line, whatever else the runtime prints
+    Bug(
+        "common.py",
+        'fields = [f.name for f in dataclasses.fields(config) if f.name != "process_id"]',
+        'fields = [f.name for f in dataclasses.fields(config) if f.name not in ("process_id", '
+        '"batch_size")]',
+        "processes given different --batch-size values train on, unnoticed until one refuses it",
+        ("tests/test_multi_process.py::test_a_bad_flag_on_one_process_stops_both",),
     ),
 ]
 

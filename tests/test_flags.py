@@ -1,0 +1,38 @@
+"""Every flag is set away from its default in some compared run: a run compared with one device,
+with a definition written in a test, or with a formula. A flag no such run sets guards code that
+could be wrong in any way, and nothing would notice. docs/flags.md's table says which tests set
+each flag (tools/flags.py writes it from what every compared run records); conftest.py checks,
+after the tests, that those of its examples that ran still do."""
+
+import dataclasses
+
+from tools import flags
+
+
+def test_every_flag_is_set_by_a_compared_run():
+    """Every flag of every script (a shared one once, a script's own in that script's runs) has a
+    row in docs/flags.md with at least one test, and the table names no flag that is gone."""
+    rows, needed = flags.read_table(), flags.required()
+    unset = sorted(
+        f"{flags.flag(name)} ({whose})"
+        for name, whose in needed
+        if not rows.get((name, whose), (0,))[0]
+    )
+    assert not unset, f"no compared run sets {', '.join(unset)}"
+    assert set(rows) == needed, sorted(set(rows) ^ needed)
+    assert all(len(examples) == min(count, flags.EXAMPLES) for count, examples in rows.values())
+
+
+def test_a_flag_a_script_adds_or_redefines_is_its_own():
+    """pipeline.py's --microbatches (its own default, 8, and meaning: micro-batches in flight)
+    and expert_parallel.py's --experts need runs of those scripts; --lr, shared, a run of any."""
+    needed = flags.required()
+    assert ("microbatches", "pipeline") in needed and ("microbatches", flags.SHARED) in needed
+    assert ("experts", "expert_parallel") in needed and ("min_shard_size", "fsdp") in needed
+    assert ("lr", flags.SHARED) in needed and not any(
+        name == "lr" and whose != flags.SHARED for name, whose in needed
+    )
+    import common
+
+    shared = len(dataclasses.fields(common.Config))
+    assert sum(whose == flags.SHARED for _, whose in needed) == shared
