@@ -7,8 +7,8 @@ so are its Adam moments, so each device stores 1/N of the state; a parameter wit
 divides, or smaller than --min-shard-size, stays replicated. With --mesh replica=R,data=N (hybrid
 sharding, HSDP) each group of N devices holds one whole copy, split N ways, and the R groups are
 replicas (the mesh axis 'replica'). A step: each piece of the model (the embedding, every block, the
-head) all-gathers its full parameters just before it runs, and again in the backward pass rather
-than keeping them alive in between. Autodiff turns each all-gather into its transpose, a
+head) all-gathers its full parameters just before it runs, and each block again in the backward
+pass rather than keeping them alive in between. Autodiff turns each all-gather into its transpose, a
 reduce-scatter, which leaves each device the summed gradient of its own shard (divided by N for the
 mean), then all-reduced across the replicas. Adam is elementwise, so each device updates only its
 shard. Collectives per step: all-gathers of the parameters (forward and backward; with
@@ -144,10 +144,6 @@ def gather_params(params):
     return jax.tree.map(gather, params, is_leaf=is_sharded)
 
 
-def keep_all_but_gathered(primitive, *_, **__):
-    return primitive is not lax.all_gather_p
-
-
 def gather_and_keep(run):
     """Let a piece of the model see full parameters, gathered just before nnx.merge makes it
     (run: common.run_piece). Autodiff keeps what the backward pass needs of them
@@ -158,11 +154,14 @@ def gather_and_keep(run):
 def gather_before_use(run):
     """gather_and_keep, and gathered again for the backward pass, as ZeRO-3 does (the default).
 
-    The remat policy keeps every intermediate for the backward pass except the gathered
-    parameters, which are gathered again: kept alive instead, every piece's full weights would
-    be on every device at once by the end of the forward pass.
+    The remat policy keeps the matmuls' outputs for the backward pass and computes the rest
+    again, the gathers among them: kept alive instead, every piece's full weights would be on
+    every device at once by the end of the forward pass. Not the head's: its backward pass
+    follows its forward at once, with nothing to free in between.
     """
-    return jax.checkpoint(gather_and_keep(run), policy=keep_all_but_gathered, static_argnums=(0,))
+    keep, policy = gather_and_keep(run), jax.checkpoint_policies.dots_saveable
+    again = jax.checkpoint(keep, policy=policy, static_argnums=(0,))
+    return lambda piece, *args: (keep if piece.name == "head" else again)(piece, *args)
 
 
 def average(grad):

@@ -186,12 +186,17 @@ def test_scanned_layers_cost_the_same_communication(name):
         for where in ("blocks", "head")
     }
     if name == "fsdp":
-        # fsdp.gather_before_use gathers every kernel again for the backward pass (ZeRO-3),
-        # scanned or not: the parameters once and every kernel a second time.
+        # fsdp.gather_before_use gathers a block's parameters again for the backward pass
+        # (ZeRO-3), scanned or not: all once, and a second time the blocks' but fc2's bias,
+        # added to the block's output (nothing computed again reads it).
         params_bytes = sum(nbytes(x) for _, x in params)
-        assert (
-            scanned["all-gather"] == unscanned["all-gather"] == params_bytes + sum(kernels.values())
+        again = sum(
+            nbytes(x)
+            for path, x in params
+            if "block_" in jax.tree_util.keystr(path)
+            and not re.search(r"fc2'\]\['bias'\]$", jax.tree_util.keystr(path))
         )
+        assert scanned["all-gather"] == unscanned["all-gather"] == params_bytes + again
         scanned.pop("all-gather"), unscanned.pop("all-gather")
     if name == "logical_fsdp_tp":
         # The compiler's own choice, the same in JAX 0.10 and 0.12: inside the scan it gathers

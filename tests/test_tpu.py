@@ -76,6 +76,31 @@ def test_every_script_compiles_for_a_tpu_slice(script, tmp_path):
     assert re.search(r"HBM per chip: [\d.e-]+ GiB of 16 GiB, fits", done.stdout)
 
 
+# GPT-2's vocabulary and length, 2 rows a chip: the state and the logits both count
+STATE_WIDTH = as_flags(
+    dict(layers=2, d_model=256, heads=4, seq_len=1024, vocab_size=50304, dtype="bfloat16")
+) + ["--batch-size", "16"]
+
+
+def test_fsdp_needs_less_hbm_than_data_parallelism_by_the_state_it_shards(tmp_path):
+    """ZeRO-3's promise on the chip it is for: HBM per chip at most data parallelism's less the
+    (N-1)/N of the state it no longer holds, plus twice the largest piece's gathered parameters
+    (the head's, float32): remat's barrier around the head once held the logits' gradient whole
+    beside the logits, and a policy that kept every cast kept the blocks' gathered weights."""
+    (_, dp, _), (_, zero3, _) = (
+        compile_for(script, tmp_path, *STATE_WIDTH) for script in ("shardmap_dp", "fsdp")
+    )
+    head = 256 * 50304 * 4
+    state = dp["state_bytes_per_device"]
+    assert zero3["state_bytes_per_device"] <= state / 8 + 2**20
+    bound = dp["hbm_need_bytes"] - 7 / 8 * state + 2 * head
+    assert zero3["hbm_need_bytes"] <= bound, (zero3["hbm_need_bytes"], dp["hbm_need_bytes"])
+    print(
+        f"\nHBM per chip: fsdp {zero3['hbm_need_bytes'] / 2**20:,.0f} MiB, data parallel "
+        f"{dp['hbm_need_bytes'] / 2**20:,.0f} MiB, bound {bound / 2**20:,.0f} MiB"
+    )
+
+
 @pytest.mark.parametrize(
     "script, topology, flags, why",
     [
