@@ -741,13 +741,15 @@ def kept_formula(name):
     """docs/costs.md's activation formulas for the tests' model, in bytes per device for each row
     of the global batch: a token keeps 16 d + h s values per layer for the backward (the two
     LayerNorms' inputs and outputs, q, k, v, the attention's probabilities, its output, fc1's
-    output and GELU's) and 2 d + V in the head, 4 bytes each."""
+    output and GELU's) and 2 d + V in the head, 4 bytes each; under fsdp.py's remat
+    (dots_saveable) 10 d + h s, the block's input and its matmuls' outputs (qkv, the scores,
+    the attention's output and its projection, fc1's), the rest computed again."""
     s, layers, d, h = (SMALL[k] for k in ("seq_len", "layers", "d_model", "heads"))
     v = common.Config(**SMALL).vocab_size
     row = 4 * s * (layers * (16 * d + h * s) + 2 * d + v)
     return {
         "shardmap_dp": row / 8,
-        "fsdp": row / 8,
+        "fsdp": 4 * s * (layers * (10 * d + h * s) + 2 * d + v) / 8,
         # data=2, model=4: the heads', the MLP's and the vocabulary's activations split
         "pjit_tp": 4 * s * (layers * (4 * d + (12 * d + h * s) / 4) + 2 * d + v / 4) / 2,
         "pjit_tp_sp": row / 4 / 2,  # and the rest split along the sequence
@@ -782,9 +784,9 @@ def test_each_strategy_keeps_the_activations_its_formula_says(name):
     """docs/costs.md's fourth table: the compiled step's temporaries grow per row of the batch
     by 1.3 to 2.4 x the activations the formula says the backward keeps (XLA's peak holds the
     backward's own working set beside them), and the table states what is measured (2%, under
-    requirements.txt's JAX: JAX 0.12 measures 84,032 B for FSDP and 96,064 B with SP). A
-    strategy that failed to split what it should (tensor parallelism's MLP, sequence
-    parallelism's norms) would land at 3 x or more."""
+    requirements.txt's JAX: JAX 0.12 measured 84,032 B for FSDP under its old remat policy,
+    96,064 B with SP). A strategy that failed to split what it should (tensor parallelism's
+    MLP, sequence parallelism's norms) would land at 3 x or more."""
     measured, formula = kept_per_row(name), kept_formula(name)
     print(f"\n{name}: {measured:,.0f} B per row measured, formula {formula:,.0f} B")
     assert 1.3 <= measured / formula <= 2.4
