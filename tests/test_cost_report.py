@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import common
 import context_parallel
@@ -209,12 +210,39 @@ def test_scanned_layers_cost_the_same_communication(name):
 
 @pytest.mark.parametrize("name", ["pmap_dp", "shardmap_dp"])
 def test_data_parallel_reduces_the_gradients_once(name):
+    """Once a step, with 4 micro-batches too: after the accumulation loop, not in it."""
     summary, moved = cost(name)
     print(
         f"\n{name}: all-reduce {moved['all-reduce']:,} bytes, parameters {summary['param_bytes']:,}"
     )
     assert abs(moved["all-reduce"] / summary["param_bytes"] - 1) <= 0.10
     assert sum(moved.values()) == moved["all-reduce"]
+    accumulated = cost(name, microbatches=4, batch_size=32)[0]  # test_microbatches_match's
+    assert accumulated["collectives"]["all-reduce"] == summary["collectives"]["all-reduce"]
+
+
+def test_jax_refuses_a_reduced_parameter_beside_split_activations():
+    """Why the compiler-driven scripts all-reduce the gradients once per micro-batch
+    (docs/costs.md): typed reduced over 'data', a parameter's gradient would stay each device's
+    partial sum through the loop, but JAX refuses it in an elementwise op with batch-split
+    activations (a LayerNorm's scale, a bias), and refuses reduced axes on Auto meshes. If this
+    fails, JAX allows it: explicit_sharding.py can reduce once."""
+    scale = jnp.ones(4)
+    for kind, why in [
+        ("Explicit", "sharded/varying on the same axes that another input is reduced on"),
+        ("Auto", "Reduced axes can only refer to mesh axes that is of type `Explicit`"),
+    ]:
+        axis = getattr(jax.sharding.AxisType, kind)
+        mesh = jax.make_mesh((DEVICES,), ("data",), axis_types=(axis,))
+        with jax.set_mesh(mesh):
+            x = jax.device_put(jnp.ones((DEVICES, 4)), NamedSharding(mesh, P("data")))
+
+            def normed(x, scale):
+                return x * jax.sharding.reshard(scale, P(None, reduced={"data"}))
+
+            with pytest.raises(Exception, match=re.escape(why)) as raised:
+                jax.jit(normed)(x, scale)
+            print(f"\n{kind} axes: {type(raised.value).__name__}: {why}")
 
 
 def test_fsdp_moves_each_parameter_twice_at_most():

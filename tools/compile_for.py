@@ -6,8 +6,9 @@ devices, the script builds its mesh and its step on them as on the slice itself,
 Nothing is allocated or run, no data is read. The report is the TPU program's: memory per chip
 against its HBM (XLA's TPU compiler refuses a step that does not fit: one line, exit 2), the
 collectives it holds, its matmul FLOPs per chip, and a step time predicted from it at the chip's
-published rates (CHIPS: matmuls at peak, HBM traffic at its bandwidth, then the collectives
-over the interconnect, not overlapped) with the MFU that implies. Compiled, not run: a guide to
+published rates (CHIPS: matmuls at peak, HBM traffic at its bandwidth, the collectives over the
+interconnect), overlapped (the largest of the three) and not (the collectives after the larger of
+the other two), with the MFUs they imply. Compiled, not run: a guide to
 what to rent and which flags to pass, not a measurement.
 
   python tools/compile_for.py v5e:2x4 fsdp.py --layers 12 --d-model 768 --heads 12 \\
@@ -81,8 +82,9 @@ def per_chip(x) -> int:
 
 
 def predict(compiled, step_flops: float, model_flops: float, wire_bytes: float, kind: str):
-    """The step's seconds at the chip's rates: matmuls at peak, HBM traffic (XLA's count, a loop's
-    body once) at its bandwidth, then the collectives over the interconnect; the MFU."""
+    """The step's seconds at the chip's rates (matmuls at peak, HBM traffic by XLA's count, a
+    loop's body once, collectives on the interconnect) two ways: overlapped, the largest of the
+    three (a floor); not overlapped, the collectives after the larger of the other two. MFUs."""
     import common
 
     peak = next(p for n, p in common.PEAK_FLOPS if n in kind)
@@ -90,8 +92,12 @@ def predict(compiled, step_flops: float, model_flops: float, wire_bytes: float, 
     accessed = compiled.cost_analysis()["bytes accessed"]
     times = dict(compute=step_flops / peak, hbm=accessed / hbm_rate)
     times["collectives"] = wire_bytes / ici_rate if ici_rate else 0.0
-    step = max(times["compute"], times["hbm"]) + times["collectives"]
-    return dict(seconds=times, step_seconds=step, mfu=model_flops / step / peak, hbm=hbm)
+    step = dict(
+        overlapped=max(times.values()),
+        not_overlapped=max(times["compute"], times["hbm"]) + times["collectives"],
+    )
+    mfu = {way: model_flops / seconds / peak for way, seconds in step.items()}
+    return dict(seconds=times, step_seconds=step, mfu=mfu, hbm=hbm)
 
 
 def report(config, topology: str, compiled, state, seconds: float) -> dict:
@@ -154,11 +160,13 @@ def lines(summary: dict) -> str:
     if tpu := summary["predicted"]:
         fits = "fits" if summary["hbm_need_bytes"] <= tpu["hbm"] else "does not fit"
         parts = ", ".join(f"{t * 1e3:,.2f}" for t in tpu["seconds"].values())
+        step, mfu = tpu["step_seconds"], tpu["mfu"]
         text += (
             f"\nHBM per chip: {summary['hbm_need_bytes'] / 2**30:.3g} GiB of "
             f"{tpu['hbm'] / 2**30:.0f} GiB, {fits} | predicted step "
-            f"{tpu['step_seconds'] * 1e3:,.1f} ms (matmuls, HBM, collectives: {parts} ms), "
-            f"MFU {tpu['mfu']:.1%}"
+            f"{step['overlapped'] * 1e3:,.1f} ms overlapped, {step['not_overlapped'] * 1e3:,.1f} "
+            f"ms not (matmuls, HBM, collectives: {parts} ms), MFU {mfu['overlapped']:.1%}, "
+            f"{mfu['not_overlapped']:.1%}"
         )
         if loops := summary["loops_counted_once"]:  # its HBM traffic and so its step too low
             text += f" (XLA counts {loops} loop(s)' HBM traffic once: it takes longer)"
