@@ -17,8 +17,10 @@ compiled, not run.
 import argparse
 import concurrent.futures
 import datetime
+import functools
 import importlib.metadata
 import json
+import math
 import re
 import subprocess
 import sys
@@ -60,11 +62,78 @@ def compile_for(script: str, topology: str, flags: str) -> dict:
         began = time.perf_counter()
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
         seconds = time.perf_counter() - began
+        layout = re.search(r"\(mesh ([^)]*)\)", done.stdout)  # the tool's first line
+        mesh = {a: int(n) for a, n in re.findall(r"(\w+)=(\d+)", layout[1])} if layout else None
         if not metrics.exists():
             lines = (done.stderr.strip() or done.stdout.strip() or "?").splitlines()
-            return {"error": lines[-1], "seconds": seconds}
+            return {"error": lines[-1], "seconds": seconds, "mesh": mesh}
         summary = json.loads(metrics.read_text().splitlines()[-1])["summary"]
-        return {**summary, "fits": done.returncode == 0, "seconds": seconds}
+        return {**summary, "fits": done.returncode == 0, "seconds": seconds, "mesh": mesh}
+
+
+@functools.cache
+def counted(flags: str) -> tuple:
+    """The training config of a row's flags, and its parameters by piece (embed, blocks, head)
+    and by the axis that splits them (model: heads, MLP, vocabulary; expert)."""
+    sys.path.insert(0, str(ROOT))
+    import common
+
+    given, key = {}, None
+    for word in flags.split():  # --layers 12 --remat ...: the training config's fields
+        if word.startswith("--"):
+            key = word[2:].replace("-", "_")
+            given[key] = True
+        else:
+            given[key] = type(getattr(common.Config, key))(word)
+    config, sized = common.Config(**given), {}
+    for path, box in common.logical_names(config):
+        piece = "blocks" if path.startswith("block") else path.split("/")[0]
+        sized[piece] = sized.get(piece, 0) + box.value.size
+        split = "expert" in box.names and "expert"
+        if split := split or ({"heads", "mlp", "vocab"} & set(box.names) and "model"):
+            sized[split] = sized.get(split, 0) + box.value.size
+    return config, sized
+
+
+def formula(script: str, size: str, topology: str, mesh: dict | None) -> tuple | None:
+    """What the script's strategy needs per chip by docs/costs.md's formulas, in the TPU's
+    dtypes: its state and float32 gradients (16 B a parameter it holds), the activations its
+    backward keeps (values of the compute dtype, attention's probabilities and the logits in
+    float32) and, for FSDP, twice the largest piece's gathered float32 parameters."""
+    c, sized = counted(f"{SIZES[size]} {COMMON} {SCRIPTS[script]}")
+    p = sized["embed"] + sized["blocks"] + sized["head"]
+    largest = max(sized["embed"], sized["blocks"] / c.layers, sized["head"])
+    chips = math.prod(int(n) for n in topology.split(":")[1].split("x"))
+    mesh = mesh or ({"data": chips} if script == "pmap_dp" else None)
+    if mesh is None:
+        return None
+    data, b = mesh.get("data", 1), (2 if c.dtype == "bfloat16" else 4)
+    s, d, h, v, layers = c.seq_len, c.d_model, c.heads, c.vocab_size, c.layers
+    block, head = 16 * d * b + 4 * h * s, 2 * d * b + 4 * v  # a token's, in a layer, in the head
+    held, tokens, layer, whole, gathered = p, c.batch_size / data * s, block, block, 0
+    if script == "fsdp":  # dots_saveable: the block's input and its matmuls' outputs
+        held, layer, gathered = p / data, 10 * d * b + 4 * h * s, 2 * 4 * largest
+    elif script in ("pjit_tp", "logical_pjit", "explicit_sharding"):
+        t = mesh["model"]  # the heads, the MLP and the vocabulary split t ways; the rest whole
+        held = p - sized.get("model", 0) * (1 - 1 / t)
+        layer = whole = 4 * d * b + (12 * d * b + 4 * h * s) / t
+        head = 2 * d * b + 4 * v / t
+        if script != "pjit_tp":  # their default rules, fsdp_tp: 'embed' split over 'data' too
+            held, gathered = held / data, 2 * 4 * largest / t
+    elif script == "pipeline":  # 1F1B: min(M, S) stage inputs, one micro-batch's stage at a time
+        stages, m = mesh["stage"], 8
+        held, tokens = p / stages, tokens / m
+        layer, layers, head = 0, 0, min(m, stages) * d * b + layers / stages * block + head
+    elif script == "context_parallel":  # the ring: for each hop a key, a value, the running sums
+        hops = mesh["context"]
+        tokens, layer = tokens / hops, 16 * d * b + hops * (3 * d * b + 2 * 4 * h)
+    elif script == "expert_parallel":  # each token's top_k copies, capacity_factor over its share
+        copies = c.top_k * c.capacity_factor
+        held = p - sized["expert"] * (1 - 1 / mesh["expert"])
+        tokens = c.batch_size / chips * s
+        layer = whole = block + (copies - 1) * 8 * d * b + 2 * copies * d * b
+    act = tokens * (layers * (d * b if c.remat else layer) + whole * c.remat + head)
+    return 16 * held, act, gathered
 
 
 def short(error: str) -> str:
@@ -75,17 +144,30 @@ def short(error: str) -> str:
     return re.sub(r"^\S+\.py: (error: )?| \(see --help\)$", "", error)
 
 
+def needs(script: str, size: str, topology: str, mesh: dict | None) -> str:
+    """The formula's cell: the mesh; state and gradients + activations + gathered, in GiB."""
+    if not (parts := formula(script, size, topology, mesh)):
+        return ""
+    axes = ",".join(f"{a}={n}" for a, n in mesh.items()) if mesh else "pmap"
+    each = " + ".join(f"{x / 2**30:.2f}" for x in parts)
+    return f"{axes}: {each} = {sum(parts) / 2**30:.2f} GiB"
+
+
 def row(script, size, topology, result) -> str:
-    name = f"{script} {size} {SLICES[topology]}"
+    name, need = (
+        f"{script} {size} {SLICES[topology]}",
+        needs(script, size, topology, result["mesh"]),
+    )
     if "error" in result:  # the tool's one line, short
-        return f"| {name} | no: {short(result['error'])} | | | | | | | |"
+        return f"| {name} | no: {short(result['error'])} | | {need} | | | | | | |"
     tpu, moved = result["predicted"], sum(c["bytes"] for c in result["collectives"].values())
     at_least, at_most = ("≥ ", "≤ ") if result["loops_counted_once"] else ("", "")  # a floor
-    steps = " | ".join(f"{at_least}{s * 1e3:,.0f} ms" for s in tpu["step_seconds"].values())
-    mfus = " | ".join(f"{at_most}{m:.0%}" for m in tpu["mfu"].values())
+    ways = ("overlapped", "not_overlapped")  # the metrics file sorts its keys
+    steps = " | ".join(f"{at_least}{tpu['step_seconds'][w] * 1e3:,.0f} ms" for w in ways)
+    mfus = " | ".join(f"{at_most}{tpu['mfu'][w]:.0%}" for w in ways)
     return (
         f"| {name} | {'yes' if result['fits'] else '**no**'} "
-        f"| {result['hbm_need_bytes'] / 2**30:.2f} GiB "
+        f"| {result['hbm_need_bytes'] / 2**30:.2f} GiB | {need} "
         f"| {result['state_bytes_per_device'] / 2**30:.2f} GiB | {moved / 2**30:.2f} GiB "
         f"| {steps} | {mfus} |"
     )
@@ -119,9 +201,10 @@ def main():
         libtpu = next(importlib.metadata.distributions(name="libtpu", path=where)).version
         jax = importlib.metadata.version("jax")
         header = (
-            "| script, model, slice | fits | HBM per chip | state per chip | collectives' buffers "
-            "per step | step, overlapped | step, not overlapped | MFU, overlapped | MFU, not "
-            "overlapped |\n|---|---|---|---|---|---|---|---|---|\n"
+            "| script, model, slice | fits | HBM per chip | its formula: mesh, state and gradients "
+            "+ activations + gathered | state per chip | collectives' buffers per step | step, "
+            "overlapped | step, not overlapped | MFU, overlapped | MFU, not overlapped |\n"
+            "|---|---|---|---|---|---|---|---|---|---|\n"
         )
         table = f"Compiled on {datetime.date.today()}, JAX {jax}, libtpu {libtpu}.\n\n{header}"
         table += "\n".join(line for line in lines if line)
