@@ -33,6 +33,7 @@ from jax.experimental import mesh_utils, multihost_utils
 from orbax.checkpoint import v1 as ocp
 
 BYTES = 256  # the vocabulary of byte-level text
+ATTENTION = ("auto", "xla", "cudnn", "splash")  # auto: cudnn on a GPU where it runs
 DTYPES = ("float32", "bfloat16")
 MAX_VOCAB = 2**20  # larger ones take minutes to set up, and gigabytes, before anything is checked
 
@@ -80,7 +81,7 @@ class TrainingConfig:
     clip_norm: float = arg(1.0, "clip the gradient to this global norm (0: never)", min=0)
     seed: int = arg(0, "seed of the parameters, the dropout masks and the batches", min=0)
     dtype: str = arg("float32", "compute dtype; parameters stay float32", choices=DTYPES)
-    attention: str = arg("auto", "cudnn (fused), xla or auto", choices=("auto", "xla", "cudnn"))
+    attention: str = arg("auto", "cudnn (GPU), splash (TPU), xla or auto", choices=ATTENTION)
     vocab_size: int = arg(256, "tokens: 50304 as GPT-2; text is read as bytes: 256", min=8)
     model: str = arg("gpt", "gpt, or a file or module of yours: Embed, Block, Head, or a Model")
     tie_embeddings: bool = arg(False, "the GPT's head reads the token embedding's table")
@@ -180,6 +181,8 @@ def _residual_scale(config):
 
 def causal_attention(q, k, v, implementation="xla"):
     """Each position's softmax attention (in float32) to itself and those before."""
+    if implementation == "splash":  # a TPU's kernel, in its own file
+        return importlib.import_module("kernels").splash_attention(q, k, v)
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
@@ -957,7 +960,7 @@ def import_yours(name: str, flag_name: str):
 
 
 def attention_kernel(config: TrainingConfig) -> str:
-    """--attention as dot_product_attention's implementation: 'auto' is cudnn where it runs."""
+    """--attention as causal_attention's implementation: 'auto' is cudnn where it runs."""
     auto = "xla" if why_not_cudnn(config) else "cudnn"
     return auto if config.attention == "auto" else config.attention
 
@@ -1094,6 +1097,8 @@ def check_training(c: TrainingConfig):
     require(not text or c.vocab_size == BYTES, "vocab_size", bytes_only)
     if c.attention == "cudnn" and (problem := why_not_cudnn(c)):
         require(False, "attention", f"cudnn {problem}")
+    blocks = f"splash takes blocks of 128 tokens, e.g. --seq-len {max(1, c.seq_len // 128) * 128}"
+    require(c.attention != "splash" or c.seq_len % 128 == 0, "attention", blocks)
     heads = f"must divide --d-model {c.d_model}, e.g. --heads {math.gcd(c.d_model, 4)}"
     require(c.d_model % c.heads == 0, "heads", heads)
     groups = f"must divide --heads {c.heads}, e.g. --kv-heads {math.gcd(c.heads, 2)}"
@@ -1258,6 +1263,10 @@ def hlo_flops(hlo_text: str) -> float:
                 k = dims(operands[1])[labels[1].index("i")]
                 taps = _taps(attributes, labels, dims(operands[0]), dims(name))
                 total += 2 * math.prod(dims(name)) * k * taps
+            elif kernel := re.match(r"splash_\w+?_(fwd|dq|dkv)", name):  # kernels.py's: its
+                # 2, 3 or 4 matmuls of the queries (its first floats, [..., length, head_dim])
+                q = next(dims(o) for o in operands if re.match(r"(bf|f)\d+\[", shapes[o]))
+                total += {"fwd": 2, "dq": 3, "dkv": 4}[kernel[1]] * 2 * math.prod(q) * q[-2]
             elif opcode == "while":
                 body = re.search(r"\bbody=%([\w.\-]+)", attributes).group(1)
                 total += _trips(attributes, computations) * flops(body)

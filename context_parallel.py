@@ -82,12 +82,13 @@ class Config(common.Config):
         return self.mesh_axes()["data"]
 
     def validate(self):
+        kernel = self.attention in ("cudnn", "splash")
         common.require(
-            self.attention != "cudnn" or self.attention_split == "ulysses",
+            not kernel or self.attention_split == "ulysses",
             "attention",
-            f"cudnn: --attention-split {self.attention_split} computes attention itself, from "
-            "pieces of the sequence; cuDNN's kernel runs under --attention-split ulysses, "
-            "e.g. --attention auto",
+            f"{self.attention}: --attention-split {self.attention_split} computes attention "
+            "itself, from pieces of the sequence; the kernels run under --attention-split "
+            "ulysses, e.g. --attention auto",
         )
         super().validate()
         context = self.mesh_axes()["context"]

@@ -375,6 +375,20 @@ def test_grouped_query_attention_matches(name):
     compare(name, run_uncached(name, **GQA), reference(**GQA, **model_flags(name)), GQA)
 
 
+# --attention splash (Pallas's kernel, interpreted on the CPU) at 128 tokens, a block: every
+# pytest in FSDP's shard_map body and under explicit_sharding.py's types; -m full every strategy
+# but the ring's and the all-gather's attention, which compute their own.
+SPLASH = {"attention": "splash", "seq_len": 128}
+SPLASHED = [name for name in STRATEGIES if name not in ("context_parallel", "context_all_gather")]
+
+
+@pytest.mark.parametrize("name", matrix(SPLASHED, ["fsdp", "explicit_fsdp_tp"]))
+def test_splash_attention_matches(name):
+    """Each strategy with the splash kernel against one device with XLA's attention."""
+    xla = {**SPLASH, "attention": "xla"}
+    compare(name, run_uncached(name, **SPLASH), reference(**xla, **model_flags(name)), SPLASH)
+
+
 # Every pytest: FSDP's gathers per piece of a linen model (its hooks under context parallelism:
 # -m full; the GPT's, grouped-query, above); the blocks of tests/tied_llama.py train under
 # pipeline.py (test_a_tied_head_matches), and pjit_tp.py's suggested entries (above).

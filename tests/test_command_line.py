@@ -290,8 +290,14 @@ BAD_INPUTS = [
         ("pmap_dp",),
         "--heartbeat-timeout must",
     ),
-    # A CPU; the ring's own attention
+    # A CPU; the ring's own attention; a splash block of 128 tokens
     (["--attention", "cudnn"], ("fsdp", "context_parallel"), "--attention cudnn"),
+    (["--attention", "splash"], ("fsdp",), "--attention splash takes blocks of 128 tokens"),
+    (
+        ["--attention", "splash", "--seq-len", "128"],
+        ("context_parallel",),
+        "--attention splash: --attention-split ring computes attention itself",
+    ),
     (
         ["--attention", "cudnn", "--attention-split", "all-gather"],
         ("context_parallel",),

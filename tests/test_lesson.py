@@ -262,3 +262,38 @@ def test_bfloat16_runs_every_matmul_in_bfloat16(tie):
     assert len(dots) == 6 * config.layers + 1, types
     assert all(t == ("bfloat16", "bfloat16") for t in types), types
     assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(common.unbox(params)))
+
+
+def reference_attention(q, k, v):
+    """Causal softmax attention in float32, written here: each query head reads the key-value
+    head of its group."""
+    groups = q.shape[2] // k.shape[2]
+    k, v = (jnp.repeat(x.astype(jnp.float32), groups, axis=2) for x in (k, v))
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q.astype(jnp.float32), k) / math.sqrt(q.shape[-1])
+    causal = jnp.tril(jnp.ones(scores.shape[-2:], bool))
+    weights = jax.nn.softmax(jnp.where(causal, scores, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights, v).astype(q.dtype)
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("float32", 1e-5), ("bfloat16", 2e-2)])
+def test_splash_attention_is_causal_softmax_attention(dtype, tolerance):
+    """--attention splash (Pallas's kernel, interpreted on the CPU) against the definition:
+    outputs and the three gradients, 4 query heads on 2 key-value heads, 1,024 tokens in 2 x 2
+    blocks (bfloat16: within its 8 bits of mantissa)."""
+    shapes = [(1, 1024, 4, 16), (1, 1024, 2, 16), (1, 1024, 2, 16)]
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, s, dtype) for key, s in zip(keys, shapes, strict=True))
+    splash = functools.partial(common.causal_attention, implementation="splash")
+    for attend in (splash, reference_attention):
+        assert attend(q, k, v).shape == q.shape
+    loss = lambda f: lambda *x: (f(*x).astype(jnp.float32) ** 2).sum()  # noqa: E731
+    got, want = (
+        jax.jit(jax.value_and_grad(loss(f), (0, 1, 2))) for f in (splash, reference_attention)
+    )
+    (value, grads), (expected, expected_grads) = got(q, k, v), want(q, k, v)
+    np.testing.assert_allclose(value, expected, rtol=tolerance)
+    for g, e in zip(grads, expected_grads, strict=True):
+        scale = float(jnp.abs(e.astype(jnp.float32)).max())
+        np.testing.assert_allclose(
+            g.astype(np.float32), e.astype(np.float32), atol=tolerance * scale
+        )
