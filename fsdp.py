@@ -157,7 +157,8 @@ def gather_before_use(run):
     The remat policy keeps the matmuls' outputs for the backward pass and computes the rest
     again, the gathers among them: kept alive instead, every piece's full weights would be on
     every device at once by the end of the forward pass. Not the head's: its backward pass
-    follows its forward at once, with nothing to free in between.
+    follows its forward at once, with nothing to free in between. Not under --remat, which
+    computes each block again, its gathers too: this policy's kept matmuls would undo its saving.
     """
     keep, policy = gather_and_keep(run), jax.checkpoint_policies.dots_saveable
     again = jax.checkpoint(keep, policy=policy, static_argnums=(0,))
@@ -199,9 +200,8 @@ def rebox(saved, state):
 
 
 def init_state(config, mesh, shapes_only=False):
-    model = common.make_model(
-        config, wrap=gather_and_keep if config.keep_gathered else gather_before_use
-    )
+    again = not (config.keep_gathered or config.remat)
+    model = common.make_model(config, wrap=gather_before_use if again else gather_and_keep)
     shard = functools.partial(shard_params, config=config)
     create = functools.partial(common.create_state, config, model, shard)
     # Each device computes only its own shards: the full model never exists on one device.
