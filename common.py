@@ -619,6 +619,13 @@ def capacity(config: TrainingConfig, length: int) -> int:
 GROUPED = jax.lax.RaggedDotDimensionNumbers((((2,), (1,)), ((), ())), (1,), (0,))
 
 
+def grouped_matmul() -> Callable:
+    """XLA's grouped matmul, or on a TPU, whose compiler refuses it, megablox's (kernels.py)."""
+    if jax.devices()[0].platform == "tpu":
+        return importlib.import_module("kernels").grouped_matmul
+    return jax.lax.ragged_dot_general
+
+
 class ExpertDense(nnx.Module):
     """A Linear layer per expert: slots [experts, ..., in] -> [experts, ..., features], or given
     group_sizes (dropless), x [rows, slots, in] grouped by expert -> one grouped matmul."""
@@ -629,7 +636,7 @@ class ExpertDense(nnx.Module):
         self.kernel = nnx.Param(kernel, out_sharding=("expert", *names))
         self.bias = nnx.Param(jnp.zeros(shape[::2]), out_sharding=("expert", names[-1]))
         self.dot_general = jax.lax.dot_general  # as nnx.Linear's, which a script may replace
-        self.ragged_dot = jax.lax.ragged_dot_general  # the same for groups
+        self.ragged_dot = grouped_matmul()  # the same for groups
 
     def __call__(self, x, group_sizes=None):
         # As many experts as it holds: all, or a device's own (expert_parallel.py)
@@ -1267,6 +1274,10 @@ def hlo_flops(hlo_text: str) -> float:
                 # 2, 3 or 4 matmuls of the queries (its first floats, [..., length, head_dim])
                 q = next(dims(o) for o in operands if re.match(r"(bf|f)\d+\[", shapes[o]))
                 total += {"fwd": 2, "dq": 3, "dkv": 4}[kernel[1]] * 2 * math.prod(q) * q[-2]
+            elif opcode == "custom-call" and re.search(r"jit\(t?gmm\)\)*/pallas_call", attributes):
+                # megablox's grouped matmuls (kernels.py's): its lhs [m, k] or [k, m] times n
+                lhs = next(dims(o) for o in operands if re.match(r"(bf|f)\d+\[", shapes[o]))
+                total += 2 * math.prod(lhs) * dims(name)[-1]
             elif opcode == "while":
                 body = re.search(r"\bbody=%([\w.\-]+)", attributes).group(1)
                 total += _trips(attributes, computations) * flops(body)

@@ -1,11 +1,14 @@
 """The kernels a TPU run uses in place of XLA's (Pallas's), laid out per device: what
---attention splash runs. On a CPU they are interpreted, which is how the tests prove them."""
+--attention splash runs, and dropless experts' grouped matmul on a TPU. On a CPU they are
+interpreted, which is how the tests prove them."""
 
 import functools
 import math
 
 import jax
+import jax.numpy as jnp
 from flax import linen as nn
+from jax.experimental.pallas.ops.tpu.megablox import gmm
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
@@ -31,25 +34,39 @@ def splash_attention(q, k, v):
 
 def _unchecked(f):
     """f in a shard_map's body, where a Pallas kernel states no varying axes (JAX 0.10, 0.12):
-    run unchecked, its output and gradients vary as its inputs do; its backward runs f again."""
+    run unchecked, its output varying as its inputs together do; the gradient of an input that
+    varies along fewer axes summed over the others, as JAX's own broadcast would be. Its
+    backward runs f again."""
     run = functools.partial(
         jax.shard_map, in_specs=jax.P(), out_specs=jax.P(), axis_names=set(), check_vma=False
     )
+    varying = lambda x: jax.typeof(x).manual_axis_type.varying  # noqa: E731
 
-    def vary(x, like):  # as `like` varies
-        axes = jax.typeof(like).manual_axis_type.varying - jax.typeof(x).manual_axis_type.varying
-        return jax.lax.pcast(x, tuple(axes), to="varying")
+    def as_varying(x, axes):
+        return jax.lax.pcast(x, tuple(axes - varying(x)), to="varying")
 
     @jax.custom_vjp
-    def unchecked(*args):
-        return vary(run(f)(*args), args[0])
+    def unchecked(*args):  # computed here (x * 1), each is typed as f's output is: unvarying
+        out = run(lambda *a: f(*(x * 1 for x in a)))(*args)
+        return as_varying(out, set().union(*map(varying, args)))
 
     def backward(args, grad):
-        def pulled(*a):  # computed here (x * 1), each is typed as f's output is: unvarying
-            return jax.vjp(f, *(x * 1 for x in a[:-1]))[1](a[-1] * 1)
+        real = [jnp.issubdtype(a.dtype, jnp.inexact) for a in args]  # the others get no gradient
 
-        grads = run(pulled)(*args, grad)
-        return tuple(vary(g, a) for g, a in zip(grads, args, strict=True))
+        def pulled(*a):
+            def of_reals(*reals):
+                it = iter(reals)
+                return f(*(next(it) if r else x * 1 for x, r in zip(a[:-1], real, strict=True)))
+
+            reals = (x * 1 for x, r in zip(a[:-1], real, strict=True) if r)
+            return jax.vjp(of_reals, *reals)[1](a[-1] * 1)
+
+        axes, grads = set().union(*map(varying, args)), iter(run(pulled)(*args, grad))
+        sums = [tuple(axes - varying(a)) for a in args]
+        return tuple(
+            jax.lax.psum(as_varying(next(grads), axes), s) if r else None
+            for r, s in zip(real, sums, strict=True)
+        )
 
     unchecked.defvjp(lambda *args: (unchecked(*args), args), backward)
     return unchecked
@@ -66,3 +83,31 @@ def _splash(q, k, v):
     groups = (q / math.sqrt(d)).reshape(b, s, kv, h // kv, d).transpose(0, 2, 3, 1, 4)
     out = jax.vmap(jax.vmap(kernel))(groups, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
     return out.transpose(0, 3, 1, 2, 4).reshape(b, s, h, d)
+
+
+def grouped_matmul(x, kernel, group_sizes, dimensions=None):
+    """jax.lax.ragged_dot_general of dropless routing (common.GROUPED: x [rows, slots, in], each
+    row's slots grouped by expert, group_sizes [rows, experts]) by megablox's gmm, one for all
+    the rows; in a shard_map's body, as the device's own (_unchecked)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or {*mesh.explicit_axes, *mesh.auto_axes}:
+        return _gmm(x, kernel, group_sizes)
+    return _unchecked(_gmm)(x, kernel, group_sizes)
+
+
+def _gmm(x, kernel, group_sizes):
+    """gmm on the rows' slots together, sorted by expert, padded to its tiles of 128: the slots
+    past the groups, which gmm skips and leaves unwritten, come out zero, as do their
+    gradients."""
+    (rows, slots, d), out = x.shape, kernel.shape[2]
+    ends = jnp.cumsum(group_sizes, -1)[:, None]  # each slot's expert; past the groups, the last
+    expert = (jnp.arange(slots)[None, :, None] >= ends).sum(-1).reshape(-1)
+    order = jnp.argsort(expert, stable=True)
+    sizes, room = group_sizes.sum(0), rows * slots + -rows * slots % 128
+    filled = (jnp.arange(room) < sizes.sum())[:, None]
+    x = jnp.where(filled, jnp.pad(x.reshape(-1, d)[order], ((0, room - rows * slots), (0, 0))), 0)
+    tiling = (128, min(128, d), min(128, out))
+    interpret = jax.devices()[0].platform != "tpu"
+    y = gmm(x, kernel, sizes, x.dtype, tiling, interpret=interpret)
+    y = jnp.where(filled, y, 0)[: rows * slots]
+    return y[jnp.argsort(order)].reshape(rows, slots, out)

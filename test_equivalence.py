@@ -32,6 +32,7 @@ import common
 import context_parallel
 import expert_parallel
 import fsdp
+import kernels
 import logical_pjit
 import explicit_sharding
 import pipeline
@@ -343,6 +344,20 @@ def test_a_mixture_of_experts_matches(name):
     """Every other strategy trains the mixture of experts too (its expert weights split as any
     parameter of theirs), and routes it as one device does."""
     compare(name, run(name, **MOE), reference(**MOE, **model_flags(name)), MOE)
+
+
+# Dropless experts by megablox's grouped matmul, the kernel a TPU runs (kernels.py, interpreted
+# here): every pytest in expert_parallel.py's shard_map body, each device its own experts; -m
+# full the other strategies whose bodies are a device's own, and pmap's.
+GMM = ["expert_parallel", "expert_parallel_8", "pmap_dp", "shardmap_dp", "fsdp", "pipeline_1f1b"]
+
+
+@pytest.mark.parametrize("name", matrix(GMM + ["context_parallel"], ["expert_parallel"]))
+def test_the_tpus_grouped_matmul_matches(name, monkeypatch):
+    """Each strategy with the grouped matmul a TPU runs, against one device with XLA's."""
+    ref = reference(**{**MOE, **model_flags(name)})
+    monkeypatch.setattr(common, "grouped_matmul", lambda: kernels.grouped_matmul)
+    compare(name, run_uncached(name, **MOE), ref, MOE)
 
 
 def test_pjit_tp_s_suggested_entries_train_a_new_model_and_match(monkeypatch):

@@ -29,11 +29,8 @@ NAMED = {
     "explicit_sharding": {"all-gather", "reduce-scatter", "all-reduce"},
     "pipeline": {"collective-permute", "all-gather", "reduce-scatter", "all-reduce"},
     "context_parallel": {"collective-permute", "all-reduce"},
-    "expert_parallel": {"all-to-all", "all-reduce"},
+    "expert_parallel": {"all-gather", "reduce-scatter", "all-reduce"},  # dropless
 }
-# Dropless routing's grouped matmul (ragged_dot with a group per sequence) does not lower for
-# TPU yet (JAX 0.10.2, 0.12): expert_parallel.py compiles with a capacity (docs/tpu.md).
-FLAGS = {"expert_parallel": as_flags({**MOE, "capacity_factor": 1.25})}
 
 
 def compile_for(script, tmp_path, *flags, topology=TOPOLOGY):
@@ -52,7 +49,7 @@ def compile_for(script, tmp_path, *flags, topology=TOPOLOGY):
 def test_every_script_compiles_for_a_tpu_slice(script, tmp_path):
     """The report is the TPU program's, nothing run: its state per chip what the program takes
     in, its collectives the docstring's, its matmul FLOPs within XLA's own count."""
-    done, summary, hlo = compile_for(script, tmp_path, *FLAGS.get(script, []))
+    done, summary, hlo = compile_for(script, tmp_path)
     assert not re.search(r"^step \d", done.stdout, re.M)  # compiled, no step run
     assert done.stderr == ""  # and libtpu said nothing
     assert summary["devices"] == 8 and summary["device_kind"] == "TPU v5 lite"
@@ -132,6 +129,23 @@ def test_fsdp_needs_less_hbm_than_data_parallelism_by_the_state_it_shards(
     )
 
 
+DROPLESS = ["expert_parallel", "shardmap_dp", "fsdp", "pipeline", "context_parallel"]
+
+
+@pytest.mark.parametrize("script", matrix(DROPLESS, ["expert_parallel"]))
+def test_dropless_experts_compile_by_megablox_grouped_matmul(script, tmp_path):
+    """XLA's TPU compiler refuses a grouped matmul with a group per sequence: on a TPU dropless
+    routing runs megablox's kernel (kernels.py), forward (gmm) and backward (gmm, tgmm); the
+    report counts its matmuls, every slot it is given (an upper bound: it skips the slots past
+    its groups, other devices' experts' under expert_parallel.py), its forward again backward."""
+    flags = [] if script == "expert_parallel" else as_flags(MOE)
+    summary, hlo = compile_for(script, tmp_path, *flags)[1:]
+    calls = re.findall(r'custom_call_target="tpu_custom_call".*op_name="([^"]*)"', hlo)
+    kernels = {re.search(r"jit\((t?gmm)\)", name)[1] for name in calls if "gmm" in name}
+    assert kernels == {"gmm", "tgmm"}, calls
+    assert 0.9 <= summary["step_flops_over_model"] <= 4  # uncounted: 0.27
+
+
 # Eight blocks, their head small: what the backward pass keeps of the blocks is the most
 DEEP = as_flags(dict(layers=8, d_model=512, heads=8, seq_len=1024, dtype="bfloat16"))
 DEEP += ["--batch-size", "16", "--remat"]
@@ -153,7 +167,7 @@ def test_fsdp_under_remat_keeps_zero3s_promise(tmp_path):
     "script, topology, flags, why",
     [
         ("pmap_dp", "v5p:4x4x4", ["--batch-size", "64"], "pmap lowers for shapes on one host only"),
-        ("expert_parallel", TOPOLOGY, as_flags(MOE), "e.g. --capacity-factor 1.25"),
+        ("pjit_tp", TOPOLOGY, as_flags(MOE), "e.g. --capacity-factor 1.25"),
         ("fsdp", "v4:2x2x1", [], "v4's compile-only devices are TensorCores"),
     ],
 )
