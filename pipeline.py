@@ -22,9 +22,10 @@ gradient, which nobody waits for and which fills the ticks 1F1B leaves idle; int
 stage. After each tick every stage passes its output forward and its input gradient backward to
 its neighbours (ppermute).
 Between a micro-batch's forward and its backward a stage keeps only that micro-batch's input;
-the backward runs jax.vjp of the stage on it, recomputing the stage as --remat does. Zero-bubble's
-B keeps, until its W, each dense layer's input and output gradient, and W is only the kernels'
-gradients from them (x^T dy): the two cost one backward.
+the backward runs jax.vjp of the stage on it, recomputing the stage as --remat does; the last
+stage's head and loss run only there (the forward stops at the blocks). Zero-bubble's B keeps,
+until its W, each dense layer's input and output gradient, and W is only the kernels' gradients
+from them (x^T dy): the two cost one backward.
 Collectives per step: two collective-permutes per tick between neighbouring stages (the
 activations forward, their gradients backward); an all-gather over 'stage' of the embedding and
 the head, and a reduce-scatter of their gradients (only the first and last stage have them):
@@ -487,15 +488,15 @@ def init_state(config, mesh, shapes_only=False):
     return create.eval_shape() if shapes_only else create()
 
 
-def stage_forward(params, x, tokens, rng, config, v=0, deltas=None):
+def stage_forward(params, x, tokens, rng, config, v=0, deltas=None, head=True):
     """One stage's part of the model on one micro-batch, its group of layers v: the embedding
     on the model's first group (in place of the input `x`), the group's blocks, and on the
-    model's last group the head and the summed loss (0 elsewhere). Returns the output
-    activation and what this part adds to the loss (the summed loss, and a mixture of experts'
-    load-balancing loss from every group's blocks), then, for the metrics, the summed loss
-    alone and the blocks' sums, and the inputs of the blocks' dense layers: with `deltas` (one
-    per dense layer, [layers, its output's shape], zeros), each dense layer adds its delta to
-    its output and keeps its input (keep_dense), for zero-bubble's split backward."""
+    model's last group (unless `head` is False) the head and the summed loss (0 elsewhere).
+    Returns the output activation and what this part adds to the loss (the summed loss, and a
+    mixture of experts' load-balancing loss from every group's blocks), then, for the metrics,
+    the summed loss alone and the blocks' sums, and the inputs of the blocks' dense layers: with
+    `deltas` (one per dense layer, [layers, its output's shape], zeros), each dense layer adds
+    its delta to its output and keeps its input (keep_dense), for zero-bubble's split backward."""
     stage, stages = lax.axis_index("stage"), lax.axis_size("stage")
     virtual = jax.tree.leaves(params["blocks"])[0].shape[0]
     # Which group of the model's layers: 0 first, virtual * stages - 1 last
@@ -518,7 +519,8 @@ def stage_forward(params, x, tokens, rng, config, v=0, deltas=None):
         logits = common.run_piece(model.defs["head"], head, x, rng)
         return common.cross_entropy(logits, tokens[:, 1:]).sum()
 
-    loss = lax.cond(chunk == virtual * stages - 1, loss, lambda: jnp.zeros((), jnp.float32))
+    none = jnp.zeros((), jnp.float32)
+    loss = lax.cond(chunk == virtual * stages - 1, loss, lambda: none) if head else none
     return (x, loss + stats.get("aux_loss_sum", 0.0)), (loss, stats, inputs)
 
 
@@ -666,29 +668,22 @@ def pipeline_gradients(params, batch, rng, config, table):
         def gradient():
             return jnp.where(gradient_slot >= 0, output_grads[jnp.maximum(gradient_slot, 0)], 0)
 
-        def forward():
-            (y, _), (loss, stats, _) = stage_forward(params, x(), tokens, key, config, v)
-            return y, loss, stats
-
-        def no_forward():
-            return (
-                jnp.zeros_like(activation),
-                jnp.zeros((), jnp.float32),
-                jax.tree.map(jnp.zeros_like, stats),
-            )
+        def forward():  # the loss is the backward's: it runs the stage again, the head with it
+            return stage_forward(params, x(), tokens, key, config, v, head=False)[0][0]
 
         def nothing_kept():  # what an op other than INPUT_GRAD leaves for a WEIGHT_GRAD
             return [tuple(jnp.zeros(a.shape[1:], a.dtype) for a in pair) for pair in kept]
 
         def no_backward():
-            return jax.tree.map(jnp.zeros_like, params), jnp.zeros_like(activation), nothing_kept()
+            zeros = jax.tree.map(jnp.zeros_like, (params, activation, stats))
+            return *zeros[:2], nothing_kept(), jnp.zeros((), jnp.float32), zeros[2]
 
         def backward():
             """jax.vjp of the stage, recomputed from its input."""
             forward = functools.partial(stage_forward, tokens=tokens, rng=key, config=config, v=v)
-            _, vjp, _ = jax.vjp(forward, params, x(), has_aux=True)
+            _, vjp, (loss, stats, _) = jax.vjp(forward, params, x(), has_aux=True)
             grad_params, grad_input = vjp((gradient(), jnp.float32(loss_scale)))
-            return grad_params, grad_input, nothing_kept()
+            return grad_params, grad_input, nothing_kept(), loss, stats
 
         def input_grad():
             """Zero-bubble's B: the backward of the stage, recomputed from its input, but for
@@ -697,13 +692,14 @@ def pipeline_gradients(params, batch, rng, config, table):
             delta, keep_dense)."""
             deltas = [jnp.zeros((layers, *y.shape), y.dtype) for _, _, y in calls]
             forward = functools.partial(stage_forward, tokens=tokens, rng=key, config=config, v=v)
-            _, vjp, (*_, dense_inputs) = jax.vjp(
+            _, vjp, (loss, stats, dense_inputs) = jax.vjp(
                 lambda p, x, d: forward(p, x, deltas=d), params, x(), deltas, has_aux=True
             )
             grad_params, grad_input, dense_grads = vjp((gradient(), jnp.float32(loss_scale)))
             for path, *_ in calls:
                 grad_params = with_kernel(grad_params, v, path, None)
-            return grad_params, grad_input, list(zip(dense_inputs, dense_grads, strict=True))
+            left = list(zip(dense_inputs, dense_grads, strict=True))
+            return grad_params, grad_input, left, loss, stats
 
         def weight_grad():
             """Zero-bubble's W: each dense kernel's gradient, x^T dy per layer, from what B kept;
@@ -712,7 +708,8 @@ def pipeline_gradients(params, batch, rng, config, table):
             for (path, *_), (xs, dys) in zip(calls, kept, strict=True):
                 kernel = jnp.einsum("l...i,l...o->lio", xs[kept_slot], dys[kept_slot])
                 grad_params = with_kernel(grad_params, v, path, kernel)
-            return grad_params, jnp.zeros_like(activation), nothing_kept()
+            _, grad_input, left, loss, none = no_backward()
+            return grad_params, grad_input, left, loss, none
 
         # The backward each op runs (none for IDLE and FORWARD): only the backwards the table
         # has are compiled, since XLA:CPU keeps each branch's temporaries apart.
@@ -724,8 +721,8 @@ def pipeline_gradients(params, batch, rng, config, table):
         for i, kind in enumerate(backwards, 1):
             branch[kind] = i
 
-        output, loss, more = lax.cond(op == FORWARD, forward, no_forward)
-        grad_params, grad_input, left = lax.switch(
+        output = lax.cond(op == FORWARD, forward, lambda: jnp.zeros_like(activation))
+        grad_params, grad_input, left, loss, more = lax.switch(
             jnp.asarray(branch)[op], [no_backward, *backwards.values()]
         )
         # What B leaves for W, into its slot outside the branches (a buffer that went through

@@ -606,7 +606,7 @@ def test_the_compiled_steps_flops_show_what_is_recomputed():
     body times its trips), against the model's count (flops_per_token x the step's tokens over
     the devices). Data parallelism computes the model's (its attention's scores counted whole by
     the formula: 0.99); --remat runs each block's forward again (1.19); micro-batches, a loop,
-    change nothing; the pipeline's ticks count their costliest op (an upper bound, above 4)."""
+    change nothing; the pipeline's ticks count their costliest op (an upper bound, above 3)."""
     ratio = {
         label: run(name, **flags).summary["step_flops_over_model"]
         for label, name, flags in [
