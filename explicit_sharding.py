@@ -216,7 +216,8 @@ def state_layouts(module, sequence):
     the partial sums are added up (an all-reduce over 'model') into a result split as the input's
     other axes and the kernel's outputs are. nnx.Linear and the layers made like it (a
     `dot_general` attribute, as common.ExpertDense) take their matmul from `matmul`. A grouped
-    matmul (common.ExpertDense given groups: dropless experts) always states its own.
+    matmul (common.ExpertDense given groups: dropless experts) always states its own (a TPU's
+    kernel lays itself out, kernels.py).
     A lookup into an embedding table (a gather) states its result's layout: rows split as the
     tokens are, features as the table's (explicit mode asks for it even when the table is whole).
     (nnx.Dropout draws its mask split as its input is, the same bits as on one device.)
@@ -228,7 +229,7 @@ def state_layouts(module, sequence):
     reduce-scatter in place of the all-reduce). A mixture of experts routes whole sequences: its
     input is gathered, its output split again."""
     for path, layer in list(nnx.iter_modules(module)):
-        if hasattr(layer, "ragged_dot"):
+        if getattr(layer, "ragged_dot", None) is jax.lax.ragged_dot_general:  # a TPU's: its own
             layer.ragged_dot = grouped_matmul
         if hasattr(layer, "dot_general"):
             layer.dot_general = functools.partial(matmul, sequence=sequence)

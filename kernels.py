@@ -88,11 +88,30 @@ def _splash(q, k, v):
 def grouped_matmul(x, kernel, group_sizes, dimensions=None):
     """jax.lax.ragged_dot_general of dropless routing (common.GROUPED: x [rows, slots, in], each
     row's slots grouped by expert, group_sizes [rows, experts]) by megablox's gmm, one for all
-    the rows; in a shard_map's body, as the device's own (_unchecked)."""
+    the rows: in a shard_map's body, as the device's own (_unchecked); under the compiler's axes
+    in a shard_map over them, each device its share of the rows (split over the batch's axes,
+    then each other axis that divides them) and every expert's kernel whole."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or {*mesh.explicit_axes, *mesh.auto_axes}:
+    if mesh.empty:  # one device, or jax.pmap's
         return _gmm(x, kernel, group_sizes)
-    return _unchecked(_gmm)(x, kernel, group_sizes)
+    if not (axes := {*mesh.explicit_axes, *mesh.auto_axes}):
+        return _unchecked(_gmm)(x, kernel, group_sizes)
+    laid = jax.typeof(x).sharding.spec if mesh.explicit_axes else nn.logical_to_mesh_axes(["batch"])
+    batch = laid[0] if isinstance(laid[0], tuple) else (laid[0],)
+    rows = ()
+    for axis in dict.fromkeys((*batch, *mesh.axis_names)):
+        if axis in axes and x.shape[0] % math.prod(mesh.shape[a] for a in (*rows, axis)) == 0:
+            rows += (axis,)
+    spec = jax.P(rows)
+    if mesh.explicit_axes:  # explicit mode moves nothing unasked
+        x, kernel, group_sizes = (
+            jax.sharding.reshard(*a) for a in ((x, spec), (kernel, jax.P()), (group_sizes, spec))
+        )
+    run = jax.shard_map(
+        _gmm, in_specs=(spec, jax.P(), spec), out_specs=spec, axis_names=axes, check_vma=False
+    )
+    y = run(x, kernel, group_sizes)
+    return jax.sharding.reshard(y, jax.P(*laid[:-1])) if mesh.explicit_axes else y
 
 
 def _gmm(x, kernel, group_sizes):

@@ -130,9 +130,10 @@ def test_fsdp_needs_less_hbm_than_data_parallelism_by_the_state_it_shards(
 
 
 DROPLESS = ["expert_parallel", "shardmap_dp", "fsdp", "pipeline", "context_parallel"]
+DROPLESS += ["pjit_tp", "logical_pjit", "explicit_sharding"]
 
 
-@pytest.mark.parametrize("script", matrix(DROPLESS, ["expert_parallel"]))
+@pytest.mark.parametrize("script", matrix(DROPLESS, ["expert_parallel", "logical_pjit"]))
 def test_dropless_experts_compile_by_megablox_grouped_matmul(script, tmp_path):
     """XLA's TPU compiler refuses a grouped matmul with a group per sequence: on a TPU dropless
     routing runs megablox's kernel (kernels.py), forward (gmm) and backward (gmm, tgmm); the
@@ -167,14 +168,13 @@ def test_fsdp_under_remat_keeps_zero3s_promise(tmp_path):
     "script, topology, flags, why",
     [
         ("pmap_dp", "v5p:4x4x4", ["--batch-size", "64"], "pmap lowers for shapes on one host only"),
-        ("pjit_tp", TOPOLOGY, as_flags(MOE), "e.g. --capacity-factor 1.25"),
         ("fsdp", "v4:2x2x1", [], "v4's compile-only devices are TensorCores"),
     ],
 )
 def test_what_does_not_compile_for_tpu_says_why_in_one_line(script, topology, flags, why):
     """JAX's pmap lowers for shapes within one process only (with several it assembles its
-    arguments from every process's arrays); dropless routing's grouped matmul does not lower
-    for TPU; libtpu's compile-only v4 devices are a chip's TensorCores, not a v4 run's chips."""
+    arguments from every process's arrays); libtpu's compile-only v4 devices are a chip's
+    TensorCores, not a v4 run's chips."""
     command = [sys.executable, "tools/compile_for.py", topology, f"{script}.py", *SIZE, *flags]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr

@@ -253,9 +253,6 @@ def main(argv: list):
         why = f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
         if not reached:  # it ran a computation before compiling its step
             why += "; it runs on the devices before it compiles its step"
-        elif config.experts and not config.capacity_factor:  # the one known
-            why += "; dropless routing's grouped matmul compiles for TPU under the shard_map"
-            why += " scripts only yet, e.g. --capacity-factor 1.25"
         fail(f"{script} does not compile for {topology} ({why})")
 
 
