@@ -48,7 +48,7 @@ SCRIPTS = {  # the script and what it needs beyond the size
     "explicit_sharding": "",
     "pipeline": "",
     "context_parallel": "",
-    # dropless routing's grouped matmul does not compile for TPU yet (docs/tpu.md)
+    # with a capacity, as the table was first measured; dropless in docs/tpu.md's list
     "expert_parallel": "--experts 8 --capacity-factor 1.25",
 }
 
