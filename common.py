@@ -1320,11 +1320,14 @@ def hlo_collectives(hlo_text: str) -> list:
             op = opcode.removesuffix("-start")  # async pairs: count the start, not the done
             if comp.startswith("all-reduce-scatter"):  # TPU's reduce-scatter: a fused all-reduce
                 op = op.replace("all-reduce", "reduce-scatter")
+            if ragged := op == "ragged-all-to-all":  # the smaller of its rows and its room: a
+                op, operands = "all-to-all", operands[:1]  # device's choices, routed evenly
             if op in COLLECTIVES and runs(comp) and not comp.startswith("async_collective_fusion"):
                 operand_bytes = sum(sizes.get(o, 0) for o in operands)
                 # An async start's result holds its operands too, then the outputs.
                 result_bytes = sizes[name] - (operand_bytes if opcode.endswith("-start") else 0)
-                size, group = max(operand_bytes, result_bytes), group_size(line, devices)
+                pick = min if ragged else max
+                size, group = pick(operand_bytes, result_bytes), group_size(line, devices)
                 found.append(dict(op=op, runs=runs(comp), bytes=size, group=group, line=line))
     return found
 

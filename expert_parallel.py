@@ -9,7 +9,9 @@ The global batch is split by rows over every device (P(('data', 'expert'))).
 A step: each device routes its own tokens. Dropless (the default): an all-gather over 'expert'
 brings every device of the group all of the group's tokens with their choices; each runs its
 own experts on the choices that are theirs, grouped by expert (a grouped matmul), and a
-reduce-scatter adds up each token's outputs and sends them home. With --capacity-factor > 0:
+reduce-scatter adds up each token's outputs and sends them home; on a TPU a ragged all-to-all
+sends each choice to its expert's device alone, and its output back (XLA:CPU cannot run it: the
+tests prove it by its definition). With --capacity-factor > 0:
 each device lays its tokens out in each expert's slots, an all-to-all sends every device the
 slots of the experts it holds, from each device of its group; the experts run; a second
 all-to-all sends the outputs back. The backward pass runs each collective's reverse. Then the
@@ -17,7 +19,8 @@ gradients of replicated parameters are averaged over every device, as in data pa
 and each expert's over 'data', across the devices holding the same experts.
 Collectives per step: per block, over 'expert': dropless, an all-gather of the group's tokens
 and a reduce-scatter of their outputs forward, and the reverse of each backward (N x [rows,
-length, d_model] each, N the size of 'expert'), and small ones of their choices and gates;
+length, d_model] each, N the size of 'expert'), and small ones of their choices and gates (on
+a TPU, ragged all-to-alls of a device's choices, k / N of that under even routing);
 with a capacity, two all-to-alls of the tokens' slots forward and two backward ([experts,
 rows, capacity, d_model] each); the all-reduces of data parallelism; tiny ones of the
 gradient norm and of the metrics.
@@ -145,17 +148,58 @@ def dropless_and_back(mixture, x, expert, gate):
     with their choices), each runs its own experts on the choices that are theirs (the others
     skipped), and a reduce-scatter adds up each token's outputs from the N devices and sends
     them back where the token came from: [rows, length, d]. Bytes leaving a device each way:
-    (N - 1) x rows x length x d x 4 (float32), and the choices. A ragged all-to-all (which
-    XLA:CPU cannot run, jax issue 34755) would send only each choice to its expert's device, k /
-    N of that under even routing; a fixed-size all-to-all must size every buffer for the worst
-    case, all of a device's choices to one device: min(k, experts per device) times as much."""
+    (N - 1) x rows x length x d x 4 (float32), and the choices. A ragged all-to-all sends only
+    each choice to its expert's device, k / N of that under even routing (on a TPU; XLA:CPU
+    cannot run it, jax issue 34755); a fixed-size all-to-all must size every buffer for the
+    worst case, all of a device's choices to one device: min(k, experts per device) times as
+    much."""
     x, expert, gate = (lax.all_gather(t, "expert", axis=0, tiled=True) for t in (x, expert, gate))
     out = mixture(x, expert, gate, lax.axis_index("expert"), lax.axis_size("expert"))
     return lax.psum_scatter(out, "expert", tiled=True)
 
 
+def ragged_all_to_all():
+    """XLA's ragged all-to-all where it runs, a TPU; None on XLA:CPU, which cannot run it."""
+    return lax.ragged_all_to_all if jax.devices()[0].platform == "tpu" else None
+
+
+@functools.cache  # one function per count, so that a model made again is the same model
+def dropless_by_ragged_all_to_all(experts):
+    """dropless_and_back on a TPU: each choice sent to its expert's device alone, and its output
+    back (a ragged all-to-all each way, the sizes told by an all-gather of the counts). A device
+    receives into room for the worst case, every choice of the group."""
+
+    def dropless(mixture, x, expert, gate):
+        n, me = lax.axis_size("expert"), lax.axis_index("expert")
+        (rows, length, k), d = expert.shape, x.shape[-1]
+        choices = expert.reshape(-1)  # [rows x length x k]: each choice's expert
+        order = jnp.argsort(choices, stable=True)  # grouped by expert, so by device too
+        sizes = jnp.zeros(n, jnp.int32).at[choices // (experts // n)].add(1)  # to each device
+        table = lax.all_gather(sizes, "expert")  # [from, to]: every device's sizes
+        start = jnp.cumsum(table, 1) - table  # where each device's choices for each begin
+        at = jnp.cumsum(table, 0) - table  # where they go in the receiving device's room
+
+        def send(rows, into, *offsets_and_sizes):  # into `into` (its result typed as it is)
+            into = lax.pcast(into, tuple(jax.typeof(rows).manual_axis_type.varying), to="varying")
+            return ragged_all_to_all()(rows, into, *offsets_and_sizes, axis_name="expert")
+
+        there, room = (start[me], table[me], at[me], table[:, me]), n * choices.size
+        tokens = send(x.reshape(-1, d)[order // k], jnp.zeros((room, d), x.dtype), *there)
+        theirs = send(choices[order], jnp.full(room, -1, choices.dtype), *there)  # -1: none
+        ones = jnp.ones((1, room, 1), gate.dtype)
+        out = mixture(tokens[None], theirs[None, :, None], ones, me, n)[0]
+        home = (at[:, me], table[:, me], start[:, me], table[me])
+        back = send(out, jnp.zeros((choices.size, d), out.dtype), *home)
+        back = back[jnp.argsort(order)].reshape(rows, length, k, d)
+        return jnp.einsum("blkd,blk->bld", back, gate.astype(back.dtype))
+
+    return dropless
+
+
 def make_model(config):
-    hooks = common.Hooks(to_experts=to_experts_and_back, dropless=dropless_and_back)
+    # On a TPU each choice goes to its expert's device alone; XLA:CPU cannot run that exchange.
+    ragged = ragged_all_to_all() and dropless_by_ragged_all_to_all(config.experts)
+    hooks = common.Hooks(to_experts=to_experts_and_back, dropless=ragged or dropless_and_back)
     return common.make_model(config, hooks=hooks)
 
 

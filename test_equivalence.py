@@ -22,6 +22,7 @@ import typing
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import optax
 import pytest
@@ -357,6 +358,40 @@ GMM += ["context_parallel", "pjit_tp", "logical_fsdp_tp", "explicit_fsdp_tp", "e
 def test_the_tpus_grouped_matmul_matches(name, monkeypatch):
     """Each strategy with the grouped matmul a TPU runs, against one device with XLA's."""
     ref = reference(**{**MOE, **model_flags(name)})
+    monkeypatch.setattr(common, "grouped_matmul", lambda: kernels.grouped_matmul)
+    compare(name, run_uncached(name, **MOE), ref, MOE)
+
+
+def ragged_all_to_all(
+    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
+):
+    """jax.lax.ragged_all_to_all by its definition, from an all-gather: XLA:CPU cannot run it.
+    Each device i writes operand_i[input_offsets_i[j]:][:send_sizes_i[j]] into device j's
+    output at output_offsets_i[j]; the rest of the output stays as it was. The op types its
+    result as `output` is: it must vary as the operand does."""
+    varying = [jax.typeof(x).manual_axis_type.varying for x in (operand, output)]
+    assert varying[0] <= varying[1], varying
+    me, n = lax.axis_index(axis_name), lax.axis_size(axis_name)
+    every = (operand, input_offsets, send_sizes, output_offsets)
+    operands, starts, sizes, ats = lax.all_gather(every, axis_name)
+    place = jnp.arange(output.shape[0])
+    for i in range(n):
+        offset = place - ats[i, me]
+        came = (offset >= 0) & (offset < sizes[i, me])
+        row = operands[i][jnp.clip(starts[i, me] + offset, 0, operand.shape[0] - 1)]
+        output = jnp.where(came.reshape(-1, *[1] * (output.ndim - 1)), row, output)
+    return output
+
+
+@pytest.mark.parametrize(
+    "name", matrix(["expert_parallel", "expert_parallel_8"], ["expert_parallel"])
+)
+def test_the_tpus_ragged_all_to_all_matches(name, monkeypatch):
+    """expert_parallel.py's dropless exchange on a TPU, each choice sent to its expert's device
+    alone (a ragged all-to-all each way, by its definition above), with the TPU's grouped
+    matmul, against one device."""
+    ref = reference(**{**MOE, **model_flags(name)})
+    monkeypatch.setattr(expert_parallel, "ragged_all_to_all", lambda: ragged_all_to_all)
     monkeypatch.setattr(common, "grouped_matmul", lambda: kernels.grouped_matmul)
     compare(name, run_uncached(name, **MOE), ref, MOE)
 
@@ -1013,8 +1048,9 @@ def check_collectives(module, config, result, specs, mesh):
         if config.capacity_factor:  # per block, the tokens' slots out and back, forward and back
             assert count("all-to-all", expert) == 4 * layers * micro
             assert ops <= {"all-reduce", "all-to-all"}, ops
-        else:  # dropless, per block: the group's tokens, choices and gates gathered, and their
-            # outputs reduce-scattered back; backward, the reverse of each (none for the choices)
+        elif expert_parallel.ragged_all_to_all() is None:  # dropless, per block: the group's
+            # tokens, choices and gates gathered, their outputs reduce-scattered back; backward,
+            # the reverse of each (none for the choices)
             assert count("all-gather", expert) == 4 * layers * micro
             assert count("reduce-scatter", expert) == 3 * layers * micro
             assert ops <= {"all-reduce", "all-gather", "reduce-scatter"}, ops
