@@ -16,7 +16,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 def splash_attention(q, k, v):
     """causal_attention by Pallas's splash kernel on each device's rows and heads: in a
     shard_map of the axes the compiler partitions, laid as the queries are (their type, or the
-    rules'); in a shard_map's body, as the device's own (_unchecked)."""
+    rules', or without rules Megatron's); in a shard_map's body, as the device's own."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:  # one device, or jax.pmap's
         return _splash(q, k, v)
@@ -26,6 +26,10 @@ def splash_attention(q, k, v):
         spec = jax.typeof(q).sharding.spec
     else:
         spec = nn.logical_to_mesh_axes(("batch", "length", "act_heads", None))
+    if not any(spec):  # no rules name them (pjit_tp.py): Megatron's, where the sizes divide
+        fits = lambda a, *n: a in axes and all(x % mesh.shape[a] == 0 for x in n)  # noqa: E731
+        rows, heads = fits("data", q.shape[0]), fits("model", q.shape[2], k.shape[2])
+        spec = jax.P("data" if rows else None, None, "model" if heads else None, None)
     run = jax.shard_map(
         _splash, in_specs=(spec,) * 3, out_specs=spec, axis_names=axes, check_vma=False
     )
