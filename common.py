@@ -967,8 +967,10 @@ def import_yours(name: str, flag_name: str):
 
 
 def attention_kernel(config: TrainingConfig) -> str:
-    """--attention as causal_attention's implementation: 'auto' is cudnn where it runs."""
-    auto = "xla" if why_not_cudnn(config) else "cudnn"
+    """--attention as causal_attention's implementation: 'auto' is the chip's fused kernel where
+    it runs (splash on a TPU, for blocks of 128 tokens; cuDNN's on a GPU), else XLA's."""
+    splash = jax.devices()[0].platform == "tpu" and config.seq_len % 128 == 0
+    auto = "splash" if splash else "xla" if why_not_cudnn(config) else "cudnn"
     return auto if config.attention == "auto" else config.attention
 
 

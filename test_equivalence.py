@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import types
 import typing
 
 import flax.linen as nn
@@ -1713,14 +1714,20 @@ def test_attention_split_in_bfloat16_is_as_accurate_as_jax(split):
     assert max(errors(split_attention, jnp.float32)) < 1e-5  # and in float32, the same numbers
 
 
-def test_attention_kernel_on_this_machine():
+def test_attention_kernel_on_this_machine(monkeypatch):
     """--attention auto is XLA's kernel on a CPU (cuDNN's needs an NVIDIA GPU and bfloat16); an
-    explicit kernel is passed through."""
+    explicit kernel is passed through. On a TPU auto is splash where its blocks of 128 tokens
+    divide the sequence (tests/test_tpu.py compiles it)."""
     assert jax.default_backend() == "cpu"
     assert common.attention_kernel(common.Config(dtype="bfloat16")) == "xla"
     assert common.attention_kernel(common.Config(attention="xla")) == "xla"
     model = common.make_model(common.Config(attention="xla"))
     assert model.hooks.attend.keywords == {"implementation": "xla"}
+    tpu = types.SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")
+    monkeypatch.setattr(jax, "devices", lambda: [tpu])
+    kernel = {n: common.attention_kernel(common.Config(seq_len=n)) for n in (64, 128, 1024)}
+    assert kernel == {64: "xla", 128: "splash", 1024: "splash"}
+    assert common.attention_kernel(common.Config(seq_len=128, attention="xla")) == "xla"
 
 
 @pytest.mark.parametrize(

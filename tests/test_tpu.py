@@ -282,11 +282,11 @@ LONG = as_flags(dict(layers=2, d_model=256, heads=4, seq_len=2048, dtype="bfloat
 
 @pytest.mark.parametrize("script", matrix(["shardmap_dp", "fsdp", "logical_pjit"], ["fsdp"]))
 def test_splash_attention_is_the_kernel_and_holds_no_scores(script, tmp_path):
-    """--attention splash on a TPU: Pallas's kernel in the program (its forward and both halves
-    of its backward), under a seventh of XLA's attention's temporaries at 2,048 tokens (fsdp.py
-    437 MB against 12.8; the scores never whole), and its matmuls in the report's FLOPs."""
+    """--attention auto on a TPU is splash: Pallas's kernel in the program (its forward and both
+    halves of its backward), under a seventh of XLA's attention's temporaries at 2,048 tokens
+    (fsdp.py 437 MB against 12.8; the scores never whole), and its matmuls in the report's FLOPs."""
     xla = compile_for(script, tmp_path, *LONG, "--attention", "xla")[1]
-    _, splash, hlo = compile_for(script, tmp_path, *LONG, "--attention", "splash")
+    _, splash, hlo = compile_for(script, tmp_path, *LONG)
     assert set(re.findall(r"%splash_\w+?_(fwd|dq|dkv)", hlo)) == {"fwd", "dq", "dkv"}
     print(
         f"\n{script}: temporaries {xla['compiled_temp_bytes'] / 1e6:,.2f} MB with XLA's "

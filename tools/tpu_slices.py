@@ -2,12 +2,12 @@
 
 Each script runs under tools/compile_for.py (libtpu's compile-only devices: pip install -t .tpu
 -r requirements-tpu.txt) at GPT-2 small (12 layers, width 768, 12 heads, 1,024 tokens, vocabulary
-50,304, bfloat16, batch 64) and at about 1B parameters (24 layers, width 1,792, 14 heads, the
-same tokens; with --remat too), on v5e-8 (v5e:2x4), v5p-8 (v5p:2x2x1, 4 chips) and a v5p slice
-of 64 chips (v5p:4x4x4, 16 hosts), and reports what the compiled TPU program holds: whether it
-fits in a chip's HBM, memory per chip, the collectives' bytes, and the step time and MFU
-predicted from it at the chip's published rates (tools/compile_for.py's CHIPS). These are
-compiled, not run.
+50,304, bfloat16, batch 64, XLA's attention) and at about 1B parameters (24 layers, width 1,792,
+14 heads, the same tokens; with --remat too), on v5e-8 (v5e:2x4), v5p-8 (v5p:2x2x1, 4 chips)
+and a v5p slice of 64 chips (v5p:4x4x4, 16 hosts), and reports what the compiled TPU program
+holds: whether it fits in a chip's HBM, memory per chip, the collectives' bytes, and the step
+time and MFU predicted from it at the chip's published rates (tools/compile_for.py's CHIPS).
+These are compiled, not run.
 
   python tools/tpu_slices.py --jobs 2             # print the table (about an hour, 2 cores)
   python tools/tpu_slices.py --write              # and put its rows in docs/tpu.md's table
@@ -37,7 +37,7 @@ SIZES = {
     "1b": "--layers 24 --d-model 1792 --heads 14",
     "1b_remat": "--layers 24 --d-model 1792 --heads 14 --remat",  # what makes it fit a v5e
 }
-COMMON = "--seq-len 1024 --vocab-size 50304 --dtype bfloat16 --batch-size 64"
+COMMON = "--seq-len 1024 --vocab-size 50304 --dtype bfloat16 --batch-size 64 --attention xla"
 SLICES = {"v5e:2x4": "v5e-8", "v5p:2x2x1": "v5p-8", "v5p:4x4x4": "v5p-128 (64 chips)"}
 SCRIPTS = {  # the script and what it needs beyond the size
     "pmap_dp": "",
