@@ -641,10 +641,10 @@ class ExpertDense(nnx.Module):
     def __call__(self, x, group_sizes=None):
         # As many experts as it holds: all, or a device's own (expert_parallel.py)
         x, kernel, bias = (t.astype(self.dtype) for t in (x, self.kernel[...], self.bias[...]))
-        if group_sizes is not None:
-            # Each slot's expert's bias, the same way: a slot of ones times the biases.
-            ones = jnp.ones((*x.shape[:-1], 1), x.dtype)
-            biases = self.ragged_dot(ones, bias[:, None], group_sizes, GROUPED)
+        if group_sizes is not None:  # each slot's expert's bias, by where the groups end
+            ends = jnp.cumsum(group_sizes, -1)[:, None]  # past them, none: a bias of 0
+            owner = (jnp.arange(x.shape[1])[None, :, None] >= ends).sum(-1)
+            biases = jax.nn.one_hot(owner, bias.shape[0], dtype=x.dtype) @ bias
             return self.ragged_dot(x, kernel, group_sizes, GROUPED) + biases
         # Each expert's x [..., in] times its kernel [in, features]: the experts' axis a batch axis.
         y = self.dot_general(x, kernel, (((x.ndim - 1,), (1,)), ((0,), (0,))))
@@ -661,7 +661,11 @@ def places_in_queue(choices):
 
 def grouped_by_expert(fc1, fc2, experts, x, expert, gate, shard=0, shards=1):
     """Dropless: each token through its experts (part `shard` of `shards` of them here), sorted
-    by expert so that each expert's tokens sit side by side: two grouped matmuls, no slot empty."""
+    by expert so that each expert's tokens sit side by side: two grouped matmuls, no slot empty.
+    A device's own rows (no axes the compiler splits) are sorted together, as one."""
+    shape, mesh = x.shape, jax.sharding.get_abstract_mesh()
+    if not (mesh.explicit_axes or mesh.auto_axes):
+        x, expert, gate = (t.reshape(1, -1, *t.shape[2:]) for t in (x, expert, gate))
     rows, length, k = expert.shape
     experts = experts // shards
     expert = expert - shard * experts  # numbered from 0 among those here
@@ -673,7 +677,8 @@ def grouped_by_expert(fc1, fc2, experts, x, expert, gate, shard=0, shards=1):
     out = fc2(jax.nn.gelu(fc1(slots, group_sizes)), group_sizes)
     back = jnp.take_along_axis(out, jnp.argsort(order, axis=-1)[..., None], axis=1)
     weights = jnp.where(elsewhere, 0, gate).astype(back.dtype)
-    return jnp.einsum("blkd,blk->bld", back.reshape(rows, length, k, -1), weights)
+    out = jnp.einsum("blkd,blk->bld", back.reshape(rows, length, k, -1), weights)
+    return out.reshape(shape)
 
 
 @jax.custom_vjp
@@ -716,10 +721,10 @@ class MoeMlp(nnx.Module):
         probs = jax.nn.softmax(self.router(x.astype(jnp.float32)))  # [rows, length, experts]
         scores = probs + self.router_bias[...] if c.router_bias_rate else probs
         expert = jax.lax.top_k(scores, c.top_k)[1]  # [rows, length, k]
-        gate = jnp.take_along_axis(probs, expert, -1)  # their weights: their probabilities
+        chosen = jax.nn.one_hot(expert, c.experts)  # [rows, length, k, experts]
+        gate = (chosen * probs[:, :, None]).sum(-1)  # their weights: their probabilities
         if c.top_k > 1:  # renormalised over the k (Mixtral); one expert's, as Switch, is not:
             gate = gate / gate.sum(-1, keepdims=True)  # 1 always, the router would not learn
-        chosen = jax.nn.one_hot(expert, c.experts)  # [rows, length, k, experts]
         if c.capacity_factor:
             out, per_expert = self.with_capacity(x, chosen, gate)
         else:

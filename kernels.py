@@ -125,7 +125,7 @@ def _gmm(x, kernel, group_sizes):
     (rows, slots, d), out = x.shape, kernel.shape[2]
     ends = jnp.cumsum(group_sizes, -1)[:, None]  # each slot's expert; past the groups, the last
     expert = (jnp.arange(slots)[None, :, None] >= ends).sum(-1).reshape(-1)
-    order = jnp.argsort(expert, stable=True)
+    order = jnp.argsort(expert, stable=True) if rows > 1 else slice(None)  # one row: sorted
     sizes, room = group_sizes.sum(0), rows * slots + -rows * slots % 128
     filled = (jnp.arange(room) < sizes.sum())[:, None]
     x = jnp.where(filled, jnp.pad(x.reshape(-1, d)[order], ((0, room - rows * slots), (0, 0))), 0)
@@ -133,4 +133,4 @@ def _gmm(x, kernel, group_sizes):
     interpret = jax.devices()[0].platform != "tpu"
     y = gmm(x, kernel, sizes, x.dtype, tiling, interpret=interpret)
     y = jnp.where(filled, y, 0)[: rows * slots]
-    return y[jnp.argsort(order)].reshape(rows, slots, out)
+    return (y[jnp.argsort(order)] if rows > 1 else y).reshape(rows, slots, out)
