@@ -662,23 +662,29 @@ def places_in_queue(choices):
 def grouped_by_expert(fc1, fc2, experts, x, expert, gate, shard=0, shards=1):
     """Dropless: each token through its experts (part `shard` of `shards` of them here), sorted
     by expert so that each expert's tokens sit side by side: two grouped matmuls, no slot empty.
-    A device's own rows (no axes the compiler splits) are sorted together, as one."""
-    shape, mesh = x.shape, jax.sharding.get_abstract_mesh()
-    if not (mesh.explicit_axes or mesh.auto_axes):
-        x, expert, gate = (t.reshape(1, -1, *t.shape[2:]) for t in (x, expert, gate))
-    rows, length, k = expert.shape
-    experts = experts // shards
-    expert = expert - shard * experts  # numbered from 0 among those here
-    elsewhere = (expert < 0) | (expert >= experts)
-    key = jnp.where(elsewhere, experts, expert).reshape(rows, length * k)
-    order = jnp.argsort(key, axis=-1, stable=True)  # each row's choices, grouped by expert
-    group_sizes = jax.nn.one_hot(key, experts, dtype=jnp.int32).sum(1)  # [rows, experts]
-    slots = jnp.take_along_axis(x, order[..., None] // k, axis=1)  # [rows, length x k, d]
-    out = fc2(jax.nn.gelu(fc1(slots, group_sizes)), group_sizes)
-    back = jnp.take_along_axis(out, jnp.argsort(order, axis=-1)[..., None], axis=1)
-    weights = jnp.where(elsewhere, 0, gate).astype(back.dtype)
-    out = jnp.einsum("blkd,blk->bld", back.reshape(rows, length, k, -1), weights)
-    return out.reshape(shape)
+    A device's own rows (no axes the compiler splits) are sorted together, as one. They run
+    again in the backward pass: k copies of each token and their hidden are not kept for it."""
+
+    @jax.checkpoint
+    def through_experts(x, expert, gate):
+        shape, mesh = x.shape, jax.sharding.get_abstract_mesh()
+        if not (mesh.explicit_axes or mesh.auto_axes):
+            x, expert, gate = (t.reshape(1, -1, *t.shape[2:]) for t in (x, expert, gate))
+        rows, length, k = expert.shape
+        here = experts // shards
+        expert = expert - shard * here  # numbered from 0 among those here
+        elsewhere = (expert < 0) | (expert >= here)
+        key = jnp.where(elsewhere, here, expert).reshape(rows, length * k)
+        order = jnp.argsort(key, axis=-1, stable=True)  # each row's choices, grouped by expert
+        group_sizes = jax.nn.one_hot(key, here, dtype=jnp.int32).sum(1)  # [rows, experts]
+        slots = jnp.take_along_axis(x, order[..., None] // k, axis=1)  # [rows, length x k, d]
+        out = fc2(jax.nn.gelu(fc1(slots, group_sizes)), group_sizes)
+        back = jnp.take_along_axis(out, jnp.argsort(order, axis=-1)[..., None], axis=1)
+        weights = jnp.where(elsewhere, 0, gate).astype(back.dtype)
+        out = jnp.einsum("blkd,blk->bld", back.reshape(rows, length, k, -1), weights)
+        return out.reshape(shape)
+
+    return through_experts(x, expert, gate)
 
 
 @jax.custom_vjp

@@ -119,17 +119,19 @@ def grouped_matmul(x, kernel, group_sizes, dimensions=None):
 
 
 def _gmm(x, kernel, group_sizes):
-    """gmm on the rows' slots together, sorted by expert, padded to its tiles of 128: the slots
-    past the groups, which gmm skips and leaves unwritten, come out zero, as do their
-    gradients."""
+    """gmm on the rows' slots together, sorted by expert, padded to its tiles: the slots past
+    the groups, which gmm skips and leaves unwritten, come out zero, as do their gradients."""
     (rows, slots, d), out = x.shape, kernel.shape[2]
     ends = jnp.cumsum(group_sizes, -1)[:, None]  # each slot's expert; past the groups, the last
     expert = (jnp.arange(slots)[None, :, None] >= ends).sum(-1).reshape(-1)
     order = jnp.argsort(expert, stable=True) if rows > 1 else slice(None)  # one row: sorted
-    sizes, room = group_sizes.sum(0), rows * slots + -rows * slots % 128
+    # Tiles as large as a v5e's VMEM takes in float32: x is read once per tile of the output's
+    # columns, each expert's kernel once per tile of rows (tiles of 128: 2.6 x the bytes)
+    tm = 512 if rows * slots > 256 else 128
+    tiling, room = (tm, min(512, d), min(1024, out)), rows * slots + -rows * slots % tm
+    sizes = group_sizes.sum(0)
     filled = (jnp.arange(room) < sizes.sum())[:, None]
     x = jnp.where(filled, jnp.pad(x.reshape(-1, d)[order], ((0, room - rows * slots), (0, 0))), 0)
-    tiling = (128, min(128, d), min(128, out))
     interpret = jax.devices()[0].platform != "tpu"
     y = gmm(x, kernel, sizes, x.dtype, tiling, interpret=interpret)
     y = jnp.where(filled, y, 0)[: rows * slots]
