@@ -663,7 +663,8 @@ def grouped_by_expert(fc1, fc2, experts, x, expert, gate, shard=0, shards=1):
     """Dropless: each token through its experts (part `shard` of `shards` of them here), sorted
     by expert so that each expert's tokens sit side by side: two grouped matmuls, no slot empty.
     A device's own rows (no axes the compiler splits) are sorted together, as one. They run
-    again in the backward pass: k copies of each token and their hidden are not kept for it."""
+    again in the backward pass, k copies of each token and their hidden not kept for it, and in k
+    passes of a row's length: the hidden held at once is the dense MLP's."""
 
     @jax.checkpoint
     def through_experts(x, expert, gate):
@@ -678,7 +679,11 @@ def grouped_by_expert(fc1, fc2, experts, x, expert, gate, shard=0, shards=1):
         order = jnp.argsort(key, axis=-1, stable=True)  # each row's choices, grouped by expert
         group_sizes = jax.nn.one_hot(key, here, dtype=jnp.int32).sum(1)  # [rows, experts]
         slots = jnp.take_along_axis(x, order[..., None] // k, axis=1)  # [rows, length x k, d]
-        out = fc2(jax.nn.gelu(fc1(slots, group_sizes)), group_sizes)
+        ends = jnp.cumsum(group_sizes, -1) - length * jnp.arange(k)[:, None, None]
+        sizes = jnp.clip(ends, 0, length) - jnp.clip(ends - group_sizes, 0, length)  # a pass's
+        expert_mlp = jax.checkpoint(lambda s, n: fc2(jax.nn.gelu(fc1(s, n)), n))
+        out = [expert_mlp(slots[:, p * length : (p + 1) * length], sizes[p]) for p in range(k)]
+        out = jnp.concatenate(out, axis=1)
         back = jnp.take_along_axis(out, jnp.argsort(order, axis=-1)[..., None], axis=1)
         weights = jnp.where(elsewhere, 0, gate).astype(back.dtype)
         out = jnp.einsum("blkd,blk->bld", back.reshape(rows, length, k, -1), weights)

@@ -153,15 +153,19 @@ def test_dropless_experts_compile_by_megablox_grouped_matmul(script, tmp_path):
 
 @FULL
 def test_dropless_holds_little_more_than_the_dense_model(tmp_path):
-    """Dropless routing's TPU program against the dense model's, 1,024 tokens: the gate by
-    take_along_axis, 128-row tiles and the experts' hidden kept for the backward pass once held
-    3.7 x its temporaries (4 blocks; 2.26 x now, 8 x the MLP's gradients among them)."""
-    flags = ["--layers", "4", "--seq-len", "1024"]  # at 2, 4.75: the VMEM holds the dense
+    """Dropless routing's TPU program against the dense model's, 4 blocks of width 512, 1,024
+    tokens: beyond the parameters' gradients (8 experts hold 8 x the MLP's), within 1.5 x its
+    temporaries (1.15 x; 1.84 x with the experts' hidden held whole, 2.9 x with besides the gate
+    by take_along_axis, tiles of 128 and k copies of each token kept for the backward pass)."""
+    flags = ["--layers", "4", "--seq-len", "1024", "--d-model", "512", "--heads", "4"]
     dense = compile_for("shardmap_dp", tmp_path, *flags)[1]
     dropless = compile_for("shardmap_dp", tmp_path, *flags, "--experts", "8")[1]
+    held = [s["compiled_temp_bytes"] - 4 * s["param_count"] for s in (dense, dropless)]
     ratio = dropless["compiled_temp_bytes"] / dense["compiled_temp_bytes"]
-    print(f"\ndropless temporaries / dense: {ratio:.2f}")
-    assert ratio <= 2.4
+    print(
+        f"\ndropless temporaries / dense: {ratio:.2f}, beyond the gradients {held[1] / held[0]:.2f}"
+    )
+    assert held[1] <= 1.5 * held[0] and ratio <= 2
 
 
 # Eight blocks, their head small: what the backward pass keeps of the blocks is the most
