@@ -1,8 +1,8 @@
 """Logical axis names mapped to the mesh by rules: one model, four strategies.
 
 What is where: the model names every parameter axis ('embed', 'heads', 'mlp', 'vocab', ...)
-with nn.with_logical_partitioning and every activation axis ('batch', 'act_heads', ...) with
-nn.with_logical_constraint, in common.py. A rules table maps those names to the axes of the
+with nnx.with_partitioning and every activation axis ('batch', 'act_heads', ...) with
+flax's with_logical_constraint, in common.py. A rules table maps those names to the axes of the
 ('data', 'model') mesh; a name with no rule stays unsplit. --rules picks a preset:
   dp       the batch over all devices; everything else replicated (as shardmap_dp.py)
   fsdp     the batch and every parameter's 'embed' axis over all devices (as fsdp.py)

@@ -25,7 +25,7 @@ is all-gathered along the sequence before the matmul after it (and its gradient
 reduce-scattered back): the same bytes.
 
 What changes from fsdp.py: no collectives by hand. The mesh gains a 'model' axis, a table of
-PartitionSpecs per parameter path replaces the nn.Partitioned boxes, and the step is the
+PartitionSpecs per parameter path replaces the nnx.Param boxes, and the step is the
 single-device step. "pjit" is the old name: pjit, once in jax.experimental, was merged into
 jax.jit, which takes in_shardings and out_shardings directly.
 

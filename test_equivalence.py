@@ -179,7 +179,7 @@ def reference(**overrides):
 
 def global_params(name, state):
     """The parameters as plain global numpy arrays, whatever the strategy's layout."""
-    params = common.unbox(state.params)  # fsdp.py's nn.Partitioned boxes hold global arrays
+    params = common.unbox(state.params)  # fsdp.py's nnx.Param boxes hold global arrays
     if name.startswith("pipeline"):  # its blocks stacked, each stage holding its own
         params = pipeline.unstack_blocks(params)
     if name.split()[0] == "pmap_dp":  # one stacked copy per device: check they agree, keep one
