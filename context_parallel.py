@@ -106,18 +106,25 @@ class Config(common.Config):
             f"must split into 2 x context = {pieces} equal pieces, e.g. --seq-len "
             f"{pieces * max(1, self.seq_len // pieces)}",
         )
-        # A model attending without the hook this script replaces would attend within each
-        # device's pieces only, and train another model silently: traced once, on shapes.
-        called = []
+        # A model attending, or placing its tokens, without the hooks this script replaces would
+        # see each device's pieces as whole sequences, and train another model silently: traced
+        # once, on shapes.
+        called = set()
 
         def attend(q, k, v):
-            called.append(q)
+            called.add("attend(q, k, v)")
             return q
 
-        model = common.Model(self, common.model_pieces(self), hooks=common.Hooks(attend=attend))
+        def places(length):
+            called.add("positions(length)")
+            return jnp.arange(length)
+
+        hooks = common.Hooks(attend=attend, positions=places)
+        model = common.Model(self, common.model_pieces(self), hooks=hooks)
         params = jax.eval_shape(lambda: common.init_params(model, jax.random.key(0)))
         jax.eval_shape(model, params, jax.ShapeDtypeStruct((1, self.seq_len), jnp.int32))
-        common.require(called, "model", "never calls hooks.attend(q, k, v), which this replaces")
+        missing = " or hooks.".join(sorted({"attend(q, k, v)", "positions(length)"} - called))
+        common.require(not missing, "model", f"never calls hooks.{missing}, which this replaces")
 
 
 def make_mesh(config):

@@ -204,10 +204,15 @@ def test_the_checker_passes_the_tests_models(capsys):
         assert capsys.readouterr().out.startswith(f"--model {model} keeps the scripts' contract\n")
 
 
-def test_context_parallel_refuses_attention_that_bypasses_its_hook(tmp_path, capsys):
-    """The one check a run keeps: context_parallel.py replaces hooks.attend, so a model attending
-    without it would train another model silently. Exit 2, one line, nothing compiled."""
-    (tmp_path / "bypass.py").write_text(broken(BREACHES[7][0], NNX_LLAMA))
+@pytest.mark.parametrize(
+    "breach, hook", [(7, "attend(q, k, v)"), (8, "positions(length)")], ids=["attend", "positions"]
+)
+def test_context_parallel_refuses_a_model_that_bypasses_its_hooks(breach, hook, tmp_path, capsys):
+    """The one check a run keeps: context_parallel.py replaces hooks.attend and hooks.positions,
+    so a model attending or placing its tokens without them would train another model silently
+    (its own positions: exit 0, losses apart from one device's). Exit 2, one line, nothing
+    compiled."""
+    (tmp_path / "bypass.py").write_text(broken(BREACHES[breach][0], NNX_LLAMA))
     config = [*TINY, "--model", str(tmp_path / "bypass.py")]
     with pytest.raises(SystemExit) as exit_info:
         SCRIPTS["context_parallel"].main(
@@ -215,7 +220,7 @@ def test_context_parallel_refuses_attention_that_bypasses_its_hook(tmp_path, cap
         )
     out, err = capsys.readouterr()
     assert exit_info.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
-    assert "--model never calls hooks.attend(q, k, v)" in err
+    assert f"--model never calls hooks.{hook}, which this replaces" in err
 
 
 TIED_LLAMA = (ROOT / "tests" / "tied_llama.py").read_text()
