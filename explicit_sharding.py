@@ -113,6 +113,18 @@ class Config(common.Config):
     def validate(self):
         common.require(self.rules in RULES, "rules", f"must be one of {', '.join(RULES)}")
         super().validate()
+        n, kv = jax.device_count(), self.kv_heads or self.heads
+        wrote = f"--kv-heads {kv}" if self.kv_heads else f"--heads {kv}"
+        common.require(  # auto splits the heads over 'model', or says why it cannot
+            self.mesh != "auto"
+            or self.auto_mesh()["model"] > 1
+            or n < 4
+            or n % 2
+            or "heads" not in dict(RULES[self.rules]),
+            "mesh",
+            f"auto puts no device on 'model' (no tensor parallelism): 2 does not divide {wrote}; "
+            f"make them even, or run without it, e.g. --mesh data={n},model=1",
+        )
         common.require(
             (self.kv_heads or self.heads) % self.axis_size("heads") == 0,
             "mesh",

@@ -82,7 +82,15 @@ class Config(common.Config):
 
     def validate(self):
         super().validate()
-        model, auto, kv = self.mesh_axes()["model"], self.auto_mesh(), self.kv_heads or self.heads
+        n, kv = jax.device_count(), self.kv_heads or self.heads
+        wrote = f"--kv-heads {kv}" if self.kv_heads else f"--heads {kv}"
+        common.require(  # auto splits the heads over 'model', or says why it cannot
+            self.mesh != "auto" or self.auto_mesh()["model"] > 1 or n < 4 or n % 2,
+            "mesh",
+            f"auto puts no device on 'model' (no tensor parallelism): 2 does not divide {wrote}; "
+            f"make them even, or run without it, e.g. --mesh data={n},model=1",
+        )
+        model, auto = self.mesh_axes()["model"], self.auto_mesh()
         common.require(
             kv % model == 0,
             "mesh",

@@ -318,6 +318,11 @@ BAD_INPUTS = [
         ("logical_pjit", "explicit_sharding"),
         "--seq-len 18 under --rules tp_sp",
     ),
+    (
+        ["--heads", "3", "--d-model", "96"],  # before: data=8,model=1 in silence
+        ("pjit_tp", *RULED),
+        "auto puts no device on 'model' (no tensor parallelism): 2 does not divide --heads 3",
+    ),
     (["--attention", "flash"], ("fsdp",), "argument --attention: invalid choice: 'flash'"),
 ]
 
