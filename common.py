@@ -532,6 +532,17 @@ def model_shapes(config: TrainingConfig):
     return jax.eval_shape(lambda: create_state(config, make_model(config)))
 
 
+def global_norm(grads, split, axis):
+    """The gradient's norm over the whole model, for clipping. Each device holds a piece of each
+    gradient `split` marks, so their sums of squares are added up over `axis` (an all-reduce of
+    one number); the others are whole on every device."""
+    leaves = zip(jax.tree.leaves(grads), jax.tree.leaves(split), strict=True)
+    squares = [(jnp.sum(jnp.square(g)), piece) for g, piece in leaves]
+    pieces = sum((x for x, piece in squares if piece), jnp.zeros(()))
+    whole = sum((x for x, piece in squares if not piece), jnp.zeros(()))
+    return jnp.sqrt(jax.lax.psum(pieces, axis) + whole)
+
+
 def clip(grads, norm, max_norm: float):
     """optax.clip_by_global_norm (0: never) with the norm the script's, knowing its pieces."""
     if not max_norm:

@@ -213,17 +213,6 @@ def average(grad, spec):
     return lax.pmean(grad, ("data", "expert"))
 
 
-def global_norm(grads, split):
-    """The gradient's norm over the whole model, for clipping. Each device holds a piece of each
-    gradient `split` marks (its own experts'), so their sums of squares are added up over
-    'expert' (an all-reduce of one number); the others are whole on every device."""
-    leaves = zip(jax.tree.leaves(grads), jax.tree.leaves(split), strict=True)
-    squares = [(jnp.sum(jnp.square(g)), piece) for g, piece in leaves]
-    pieces = sum((x for x, piece in squares if piece), jnp.zeros(()))
-    whole = sum((x for x, piece in squares if not piece), jnp.zeros(()))
-    return jnp.sqrt(lax.psum(pieces, "expert") + whole)
-
-
 def init_state(config, mesh, shapes_only=False):
     create = functools.partial(common.create_state, config, make_model(config))
     specs = state_spec(config, jax.eval_shape(create))
@@ -255,7 +244,8 @@ def train_step(state, batch, config):
     grads = jax.tree.map(average, grads, specs)
     metrics = lax.psum(metrics, ("data", "expert"))
     # The experts', and the rest
-    norm = global_norm(common.learned(grads), jax.tree.map(is_split, specs, is_leaf=is_spec))
+    split = jax.tree.map(is_split, specs, is_leaf=is_spec)
+    norm = common.global_norm(common.learned(grads), split, "expert")
     state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
     return state, {**metrics, "grad_norm": norm}
 

@@ -20,7 +20,7 @@ metrics.
 What changes from shardmap_dp.py: the state is sharded instead of replicated, so each piece
 of the model gathers its parameters as it runs (the model's `wrap`), the mean of a sharded
 gradient is its reduce-scattered sum over N instead of an all-reduce, and the gradient norm
-that clipping needs adds up every device's partial sum (global_norm).
+that clipping needs adds up every device's partial sum over 'data' (common.global_norm).
 
 Run:
   python fsdp.py                         # a laptop: 8 emulated CPU devices
@@ -41,7 +41,6 @@ from jax import lax
 
 import common
 
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from flax import nnx
@@ -178,17 +177,6 @@ def average(grad):
     return lax.pmean(grad, every_device())
 
 
-def global_norm(grads, split):
-    """The gradient's norm over the whole model, for clipping. Each device holds a piece of each
-    gradient `split` marks, so their sums of squares are added up over 'data' (an all-reduce of
-    one number); the others are whole on every device."""
-    leaves = zip(jax.tree.leaves(grads), jax.tree.leaves(split), strict=True)
-    squares = [(jnp.sum(jnp.square(g)), piece) for g, piece in leaves]
-    pieces = sum((x for x, piece in squares if piece), jnp.zeros(()))
-    whole = sum((x for x, piece in squares if not piece), jnp.zeros(()))
-    return jnp.sqrt(lax.psum(pieces, "data") + whole)
-
-
 def rebox(saved, state):
     """Restored arrays back into the boxes of `state`: the checkpoint layout has none."""
     return jax.tree.map(
@@ -233,7 +221,8 @@ def train_step(state, batch, config):
     grads = jax.tree.map(average, grads, is_leaf=is_sharded)
     metrics = lax.psum(metrics, every_device())
     # Of the shards, and the rest
-    norm = global_norm(common.learned(grads), jax.tree.map(is_sharded, grads, is_leaf=is_sharded))
+    split = jax.tree.map(is_sharded, grads, is_leaf=is_sharded)
+    norm = common.global_norm(common.learned(grads), split, "data")
     state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
     return state, {**metrics, "grad_norm": norm}
 

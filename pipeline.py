@@ -458,17 +458,6 @@ def scatter_embed_and_head(grads, specs):
     return {k: v if k == "blocks" else jax.tree.map(scatter, v, specs[k]) for k, v in grads.items()}
 
 
-def global_norm(grads, split):
-    """The gradient's norm over the whole model, for clipping. Each device holds a piece of each
-    gradient `split` marks (its stage's blocks, its piece of the others), so their sums of
-    squares are added up over 'stage' (an all-reduce of one number); the others are whole."""
-    leaves = zip(jax.tree.leaves(grads), jax.tree.leaves(split), strict=True)
-    squares = [(jnp.sum(jnp.square(g)), piece) for g, piece in leaves]
-    pieces = sum((x for x, piece in squares if piece), jnp.zeros(()))
-    whole = sum((x for x, piece in squares if not piece), jnp.zeros(()))
-    return jnp.sqrt(lax.psum(pieces, "stage") + whole)
-
-
 def stacked(config):
     """How the pipeline holds the parameters: unboxed, the blocks stacked (common.create_state's
     `hold`)."""
@@ -780,9 +769,8 @@ def train_step(state, batch, config, table, specs):
         **lax.psum(metrics, ("data", "stage")),
         "tokens": lax.psum(metrics["tokens"], "data"),
     }
-    norm = global_norm(
-        common.learned(grads), jax.tree.map(lambda spec: "stage" in spec, specs, is_leaf=is_spec)
-    )
+    split = jax.tree.map(lambda spec: "stage" in spec, specs, is_leaf=is_spec)
+    norm = common.global_norm(common.learned(grads), split, "stage")
     state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
     return state, {**metrics, "grad_norm": norm}
 
