@@ -1148,67 +1148,58 @@ def check_training(c: TrainingConfig):
 # ----------------------------------------------------------------------------------------------
 
 
-# XLA:CPU in JAX 0.10 drops jax.checkpoint's barriers early and CSE merges the recomputation back:
-# --remat kept every activation (32.3 MB of temporaries, 10.5 without). JAX 0.12's CPU keeps them.
-CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
-
-
-def compile_step(step_fn, *args):
-    """Compile for the arguments' shapes and shardings (arrays or ShapeDtypeStructs): a step too
-    big for the devices stops here, before anything is allocated. The loop runs this program."""
-    start = time.perf_counter()
-    cpu = jax.default_backend() == "cpu" and hasattr(step_fn, "trace")  # pmap's take no options
-    compiled = step_fn.lower(*args).compile(compiler_options=CPU_COMPILER_OPTIONS if cpu else {})
-    seconds = time.perf_counter() - start
-    memory, have = compiled.memory_analysis(), device_memory()
-    sizes = ("argument", "output", "temp")
-    need = memory and sum(getattr(memory, f"{s}_size_in_bytes") for s in sizes)
-    if need and have and need - memory.alias_size_in_bytes > have:
-        fix = "lower --batch-size or --seq-len, or add --microbatches or --remat"
-        have = f"a {jax.local_devices()[0].platform} device has {have / 1e9:,.1f} GB"
-        exit_bad_input(f"the train step needs {need / 1e9:,.1f} GB per device, {have}: {fix}")
-    return compiled, seconds
-
-
-def device_memory() -> int | None:
-    """Bytes a device holds: its limit, or on CPU, the host's available memory over its devices."""
-    if limit := (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit"):
-        return limit
-    with contextlib.suppress(OSError, StopIteration), open("/proc/meminfo") as meminfo:
-        kilobytes = next(int(s.split()[1]) for s in meminfo if s.startswith("MemAvailable:"))
-        return kilobytes * 1024 // jax.local_device_count()
-    return None
-
-
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+# %name = shape opcode(operands), attributes: a line of compiled HLO
+_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = (.*?) ([\w\-]+)\(([^)]*)\)(.*)")
+_CALLS = re.compile(r"\b(?:body|condition|calls|to_apply|branch_computations)=\{?%([\w.\-]+)")
 
 
-# Dense bf16 peak FLOP/s of one device, by jax.Device.device_kind (lower case); the first match.
-PEAK_FLOPS = (
-    ("tpu v5 lite", 197e12),  # v5e
-    ("tpu v5", 459e12),  # v5p
-    ("tpu v6 lite", 918e12),  # v6e
-    ("tpu v4", 275e12),
-    ("h100 pcie", 756e12),
-    ("h100", 989e12),  # SXM
-    ("h200", 989e12),
-    ("a100", 312e12),
-)
+def _shape_bytes(text: str) -> int:
+    """The bytes of an HLO shape: f32[64,128] 32768, (bf16[2], pred[]) 5."""
+    found = re.findall(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]", text)
+    bits = lambda dtype: 8 if dtype == "pred" else int(re.search(r"\d+", dtype)[0])  # noqa: E731
+    return sum(math.prod(map(int, filter(None, d.split(",")))) * bits(t) // 8 for t, d in found)
 
 
-def flops_per_token(config: TrainingConfig, params) -> int:
-    """Training FLOPs per token: 6 per matmul parameter (forward 2, backward 4) and the attention's
-    6 * 2 * layers * seq_len * d_model (PaLM, appendix B). Embedding tables (nnx.Embed's
-    'embedding') are lookups, left out; of the experts (an axis 'expert') a token uses top-k."""
-    leaves = jax.tree_util.tree_leaves_with_path(params)
-    tables = sum(x.size for path, x in leaves if getattr(path[-1], "key", None) == "embedding")
-    # A table the head ties is also its matmul's kernel
-    tied = [f"embed/{path}" for path in make_model(config).tied if path.endswith("embedding")]
-    tables -= sum(box.value.size for path, box in logical_names(config) if path in tied)
-    experts = sum(box.value.size for _, box in logical_names(config) if "expert" in box.names)
-    unused = experts - experts * config.top_k // config.experts if experts else 0
-    matmul_params = sum(x.size for _, x in leaves) - tables - unused
-    return 6 * matmul_params + 12 * config.layers * config.seq_len * config.d_model
+def collectives(hlo_text: str) -> dict:
+    """A device's collectives in one step of a compiled program, by kind: how many and their bytes
+    (the larger of operands and result), a loop's once a trip where XLA states its count. The
+    close reading (TPU programs' loops, wire bytes, FLOPs) is tools/hlo.py's."""
+    shapes, callers, found, entry, skip = {}, {}, [], None, set()
+    for line in hlo_text.splitlines():
+        if line.endswith("{") and "%" in line and not line.startswith(" "):
+            computation = line.split("%")[1].split(" ")[0]
+            entry = computation if line.startswith("ENTRY") else entry
+        elif match := _INSTRUCTION.match(line):
+            name, shapes[name], opcode, operands, attributes = match.groups()
+            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attributes)
+            for callee in _CALLS.findall(attributes):
+                callers.setdefault(callee, []).append((computation, int(trips[1]) if trips else 1))
+            if "AsyncCollectiveDone" in line or computation.startswith("async_collective_fusion"):
+                skip.add(computation)  # TPU's: the op again where it ends, not counted
+            if computation.startswith("all-reduce-scatter"):  # TPU's reduce-scatter
+                opcode = opcode.replace("all-reduce", "reduce-scatter")
+            found.append((computation, opcode, name, re.findall(r"%([\w.\-]+)", operands)))
+
+    @functools.cache
+    def runs(computation):
+        if computation == entry or computation in skip:
+            return int(computation == entry)
+        return sum(runs(caller) * trips for caller, trips in callers.get(computation, ()))
+
+    counted = {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
+    for computation, opcode, name, operands in found:
+        op = opcode.removesuffix("-start")
+        if op.removeprefix("ragged-") in COLLECTIVES and runs(computation):
+            ragged, op = op.startswith("ragged"), op.removeprefix("ragged-")  # TPU's dropless
+            operands = operands[:1] if ragged else operands  # a device's rows, routed evenly
+            operand_bytes = sum(_shape_bytes(shapes.get(o, "")) for o in operands)
+            # An async start's result holds its operands too, then the outputs
+            result = _shape_bytes(shapes[name]) - operand_bytes * opcode.endswith("-start")
+            size = (min if ragged else max)(operand_bytes, result)
+            counted[op]["count"] += runs(computation)
+            counted[op]["bytes"] += runs(computation) * size
+    return counted
 
 
 def bytes_on_device(x, device) -> int:
@@ -1216,241 +1207,37 @@ def bytes_on_device(x, device) -> int:
     return sum(shard.data.nbytes for shard in x.addressable_shards if shard.device == device)
 
 
-_ARRAY = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")  # f32[64,128], bf16[], pred[8]
-_CALLS = re.compile(r"\b(body|condition|calls|to_apply|branch_computations)=\{?%([\w.\-]+)")
-
-
-def _shape_bytes(text: str) -> int:
-    total = 0
-    for dtype, dims in _ARRAY.findall(text):
-        bits = 8 if dtype == "pred" else int(re.search(r"\d+", dtype).group())
-        total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
-    return total
-
-
-def _closing(text: str, start: int) -> int:
-    """The index just past the bracket that closes the one at text[start]."""
-    depths = itertools.accumulate((c == "(") - (c == ")") for c in text[start:])
-    return start + 1 + next(i for i, depth in enumerate(depths) if depth == 0)
-
-
-def _hlo_program(hlo_text: str):
-    """HLO text as ({computation: [(name, opcode, operands, attributes, line)]}, {name: shape})."""
-    computations, shapes, entry, current = {}, {}, None, None
-    for line in hlo_text.splitlines():
-        if not line.startswith((" ", "}")) and line.endswith("{") and "%" in line:
-            current = line.split("%")[1].split(" ")[0]
-            computations[current], entry = [], current if line.startswith("ENTRY") else entry
-        elif current and (instruction := re.match(r"\s*(?:ROOT )?%(\S+) = (.*)$", line)):
-            name, rest = instruction.groups()
-            end = _closing(rest, 0) if rest.startswith("(") else rest.index(" ")
-            shapes[name], rest = rest[:end], rest[end:].lstrip()
-            opcode, operands_end = rest[: rest.index("(")], _closing(rest, rest.index("("))
-            operands = re.findall(r"%([\w.\-]+)", rest[len(opcode) : operands_end])
-            computations[current].append((name, opcode, operands, rest[operands_end:], line))
-    return computations, shapes, entry
-
-
-def _taps(attributes: str, labels: tuple, lhs: list, out: list) -> float:
-    """A convolution's window taps per output that read its input, not padding or holes."""
-    taps, w = 1.0, dict(size=1, stride=1, pad=0, lhs_dilate=1, rhs_dilate=1)
-    for name, default in list(w.items()):  # a number per spatial axis (a pad's low side)
-        found = re.search(rf"\b{name}=([\d_x-]+)", attributes)
-        w[name] = [int(n.split("_")[0]) for n in found[1].split("x")] if found else [default] * 9
-    for axis, (size, stride, pad, dilation, spread) in enumerate(zip(*w.values(), strict=False)):
-        if str(axis) in labels[0]:  # the positions it reads, of those the dilated input has
-            n, o = lhs[labels[0].index(str(axis))], out[labels[2].index(str(axis))]
-            reads = [p * stride + t * spread - pad for p in range(o) for t in range(size)]
-            taps *= sum(0 <= q <= (n - 1) * dilation and q % dilation == 0 for q in reads) / o
-    return taps
-
-
-def _trips(attributes: str, computations: dict) -> int:
-    """A while loop's trip count: XLA's, or its condition's `i < N` (TPU programs state none)."""
-    if known := re.search(r'"known_trip_count":\{"n":"(\d+)"', attributes):
-        return int(known[1])
-    condition = computations[re.search(r"\bcondition=%([\w.\-]+)", attributes)[1]]
-    _, opcode, operands, rest, _ = condition[-1]  # its ROOT
-    bound = {name: line for name, op, *_, line in condition if op == "constant"}
-    below = opcode == "compare" and "direction=LT" in rest and bound.get(operands[-1], "")
-    return int(re.search(r"constant\((\d+)\)", below)[1]) if below else 1
-
-
-def hlo_flops(hlo_text: str) -> float:
-    """The matmul FLOPs of one run of compiled HLO, per device: a loop's body times its trips
-    (_trips; XLA's own cost analysis counts it once), a conditional's costliest branch (an upper
-    bound where branches differ: a pipeline's ticks, ring attention's skipped blocks)."""
-    computations, shapes, entry = _hlo_program(hlo_text)
-
-    def dims(name):
-        return [int(d) for d in _ARRAY.search(shapes[name]).group(2).split(",") if d]
-
-    @functools.cache
-    def flops(computation):
-        total = 0
-        for name, opcode, operands, attributes, _ in computations.get(computation, ()):
-            if opcode == "dot":
-                contracted = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", attributes)
-                lhs = dims(operands[0])
-                k = math.prod(lhs[int(i)] for i in contracted.group(1).split(",") if i)
-                total += 2 * math.prod(dims(name)) * k
-            elif opcode == "convolution":  # TPU's matmuls: over the kernel's inputs, its taps
-                labels = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", attributes).groups()
-                k = dims(operands[1])[labels[1].index("i")]
-                taps = _taps(attributes, labels, dims(operands[0]), dims(name))
-                total += 2 * math.prod(dims(name)) * k * taps
-            elif kernel := re.match(r"splash_\w+?_(fwd|dq|dkv)", name):  # kernels.py's: its
-                # 2, 3 or 4 matmuls of the queries (its first floats, [..., length, head_dim])
-                q = next(dims(o) for o in operands if re.match(r"(bf|f)\d+\[", shapes[o]))
-                total += {"fwd": 2, "dq": 3, "dkv": 4}[kernel[1]] * 2 * math.prod(q) * q[-2]
-            elif opcode == "custom-call" and re.search(r"jit\(t?gmm\)\)*/pallas_call", attributes):
-                # megablox's grouped matmuls (kernels.py's): its lhs [m, k] or [k, m] times n
-                lhs = next(dims(o) for o in operands if re.match(r"(bf|f)\d+\[", shapes[o]))
-                total += 2 * math.prod(lhs) * dims(name)[-1]
-            elif opcode == "while":
-                body = re.search(r"\bbody=%([\w.\-]+)", attributes).group(1)
-                total += _trips(attributes, computations) * flops(body)
-            elif opcode == "conditional":
-                branches = re.findall(r"_computations?=(\{[^}]*\}|%[\w.\-]+)", attributes)
-                total += max(map(flops, re.findall(r"%([\w.\-]+)", " ".join(branches))))
-            else:
-                total += sum(map(flops, re.findall(r"\bcalls=%([\w.\-]+)", attributes)))
-        return total
-
-    return float(flops(entry))
-
-
-def hlo_collectives(hlo_text: str) -> list:
-    """Every collective of compiled HLO as a dict: op, runs per step (a loop's, once a trip),
-    bytes (per device, the larger of its operands and its result), group and its HLO line."""
-    computations, shapes, entry = _hlo_program(hlo_text)
-    sizes = {name: _shape_bytes(shape) for name, shape in shapes.items()}
-    counts = re.findall(r"(?:num_partitions|replica_count)=(\d+)", hlo_text)  # jit's, pmap's
-    devices = max(map(int, counts or [1]))
-    callers = {}
-    for caller, instructions in computations.items():
-        for _, opcode, _, attributes, _ in instructions:
-            trips = _trips(attributes, computations) if opcode == "while" else 1  # body, condition
-            for _, callee in _CALLS.findall(attributes):
-                callers.setdefault(callee, []).append((caller, trips))
-
-    # TPU's async collectives repeat the op where they end and in what overlaps them: not counted
-    repeats = [c for c, ops in computations.items() if "AsyncCollectiveDone" in str(ops)]
-
-    @functools.cache
-    def runs(computation):
-        if computation == entry or computation in repeats:
-            return int(computation == entry)
-        return sum(runs(caller) * times for caller, times in callers.get(computation, ()))
-
-    found = []
-    for comp, instructions in computations.items():
-        for name, opcode, operands, _, line in instructions:
-            op = opcode.removesuffix("-start")  # async pairs: count the start, not the done
-            if comp.startswith("all-reduce-scatter"):  # TPU's reduce-scatter: a fused all-reduce
-                op = op.replace("all-reduce", "reduce-scatter")
-            if ragged := op == "ragged-all-to-all":  # the smaller of its rows and its room: a
-                op, operands = "all-to-all", operands[:1]  # device's choices, routed evenly
-            if op in COLLECTIVES and runs(comp) and not comp.startswith("async_collective_fusion"):
-                operand_bytes = sum(sizes.get(o, 0) for o in operands)
-                # An async start's result holds its operands too, then the outputs.
-                result_bytes = sizes[name] - (operand_bytes if opcode.endswith("-start") else 0)
-                pick = min if ragged else max
-                size, group = pick(operand_bytes, result_bytes), group_size(line, devices)
-                found.append(dict(op=op, runs=runs(comp), bytes=size, group=group, line=line))
-    return found
-
-
-def wire(op: str, n: int) -> float:
-    """A ring's share of the larger buffer a device sends: (n - 1) / n, twice for an all-reduce."""
-    return 1.0 if op == "collective-permute" else (1 + (op == "all-reduce")) * (n - 1) / n
-
-
-def group_size(line: str, devices: int) -> int:
-    """How many devices are in each group of a collective's HLO line (all, if it names none)."""
-    if iota := re.search(r"replica_groups=\[\d+,(\d+)\]<=", line):
-        return int(iota.group(1))
-    if mesh := re.search(r"replica_groups=mesh\[([^\]]*)\][^{]*\{([^}]*)\}", line):
-        sizes = dict((a, int(n)) for a, n in re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
-        return math.prod(sizes[a] for a in re.findall(r"'(\w+)'", mesh.group(2)))
-    if listed := re.search(r"replica_groups=\{\{([\d,]*)\}", line):
-        return len(listed.group(1).split(","))
-    return devices
-
-
 def cost_report(config: TrainingConfig, state, compiled, compile_seconds: float) -> dict:
     """What the strategy costs, from the real arrays (state bytes on this process's first
     device) and the compiled step (memory, collectives); before the first step donates them."""
     device, full, memory = jax.local_devices()[0], model_shapes(config), compiled.memory_analysis()
     leaves = jax.tree.leaves(unbox((state.params, state.opt_state)))
-    collectives = {op: {"count": 0, "bytes": 0, "wire_bytes": 0.0} for op in COLLECTIVES}
-    for found in hlo_collectives(compiled.as_text()):
-        counted, runs = collectives[found["op"]], found["runs"]
-        counted["count"] += runs
-        counted["bytes"] += runs * found["bytes"]
-        counted["wire_bytes"] += runs * wire(found["op"], found["group"]) * found["bytes"]
     params, full_state = unbox(full.params), unbox((full.params, full.opt_state))
-    # The compiled step's matmul FLOPs against the model's for its share of the tokens: above 1,
-    # what the strategy recomputes (--remat, a pipeline's backward) or computes on every device.
-    step_flops, per_token = hlo_flops(compiled.as_text()), flops_per_token(config, params)
-    model_flops = per_token * config.batch_size * config.seq_len / jax.device_count()
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
     return {
         "param_count": sum(x.size for x in jax.tree.leaves(params)),
-        "peak_flops": next((p for n, p in PEAK_FLOPS if n in device.device_kind.lower()), None),
-        "param_bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)),
-        "flops_per_token": per_token,
-        "step_flops": step_flops,
-        "step_flops_over_model": step_flops / model_flops,
-        "state_bytes_total": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(full_state)),
+        "param_bytes": nbytes(params),
+        "state_bytes_total": nbytes(full_state),
         "state_bytes_per_device": sum(bytes_on_device(x, device) for x in leaves),
         "compile_seconds": compile_seconds,
         "compiled_argument_bytes": getattr(memory, "argument_size_in_bytes", None),
         "compiled_temp_bytes": getattr(memory, "temp_size_in_bytes", None),
-        "collectives": collectives,
+        "collectives": collectives(compiled.as_text()),
     }
-
-
-def show_sharding(params):
-    """Print each parameter's path, shape, PartitionSpec and bytes per device, then draw the
-    layout of the largest matrix the strategy splits (or the largest), the first of equals."""
-    device, leaves = jax.local_devices()[0], jax.tree_util.tree_leaves_with_path(unbox(params))
-    named = [(jax.tree_util.keystr(path, simple=True, separator="/"), x) for path, x in leaves]
-    spec = lambda x: str(getattr(x.sharding, "spec", x.sharding))  # noqa: E731 (pmap's has none)
-    rows = [(n, str(x.shape), spec(x), f"{bytes_on_device(x, device):,}") for n, x in named]
-    rows = [("parameter", "shape", "spec", "bytes/device"), *rows]
-    widths = [max(len(row[i]) for row in rows) for i in range(3)] + [0]
-    for row in rows:
-        print(*(text.ljust(width) for text, width in zip(row, widths, strict=True)))
-    matrices = {name: x for name, x in named if x.ndim == 2}
-    split = {n: x for n, x in matrices.items() if not x.sharding.is_fully_replicated} or matrices
-    if name := max(split, key=lambda n: split[n].size, default=None):
-        print(f"{name} {split[name].shape} over the devices:")
-        jax.debug.visualize_array_sharding(split[name])
-
-
-def _megabytes(n) -> str:
-    return "n/a" if n is None else f"{n / 1e6:.2f} MB"
 
 
 def report_lines(summary: dict) -> str:
     """The end-of-run report, for people; --metrics-file has the same numbers for programs."""
+    _megabytes = lambda n: "n/a" if n is None else f"{n / 1e6:.2f} MB"  # noqa: E731
     per_device, total = summary["state_bytes_per_device"], summary["state_bytes_total"]
-    used = [
-        f"{op} {c['count']} ({_megabytes(c['bytes'])}, sends {_megabytes(c['wire_bytes'])})"
-        for op, c in summary["collectives"].items()
-        if c["count"]
-    ]
-    mfu = f"{summary['mfu']:.1%}" if summary["mfu"] is not None else f"n/a on {summary['platform']}"
+    kinds = summary["collectives"].items()
+    used = [f"{op} {c['count']} ({_megabytes(c['bytes'])})" for op, c in kinds if c["count"]]
     return (
         f"state: {_megabytes(per_device)} per device of {_megabytes(total)} "
         f"({per_device * summary['devices'] / total:.2f} x total/devices) | compiled step: "
         f"arguments {_megabytes(summary['compiled_argument_bytes'])}, temporaries "
-        f"{_megabytes(summary['compiled_temp_bytes'])}\ncollectives per step and device "
-        "(buffers, and what a ring sends): "
-        f"{', '.join(used) or 'none'}\ncompile {summary['compile_seconds']:.1f}s | "
-        f"{summary['flops_per_token'] / 1e6:.1f} MFLOP/token; compiled, "
-        f"{summary['step_flops'] / 1e9:.2f} GFLOP/step per device "
-        f"({summary['step_flops_over_model']:.2f} x the model's) | MFU {mfu}"
+        f"{_megabytes(summary['compiled_temp_bytes'])}\ncollectives per step and device: "
+        f"{', '.join(used) or 'none'}"
     )
 
 
@@ -1795,6 +1582,38 @@ def check_checkpoint(config: Config):
 # ----------------------------------------------------------------------------------------------
 
 
+# XLA:CPU in JAX 0.10 drops jax.checkpoint's barriers early and CSE merges the recomputation back:
+# --remat kept every activation (32.3 MB of temporaries, 10.5 without). JAX 0.12's CPU keeps them.
+CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
+
+
+def compile_step(step_fn, *args):
+    """Compile for the arguments' shapes and shardings (arrays or ShapeDtypeStructs): a step too
+    big for the devices stops here, before anything is allocated. The loop runs this program."""
+    start = time.perf_counter()
+    cpu = jax.default_backend() == "cpu" and hasattr(step_fn, "trace")  # pmap's take no options
+    compiled = step_fn.lower(*args).compile(compiler_options=CPU_COMPILER_OPTIONS if cpu else {})
+    seconds = time.perf_counter() - start
+    memory, have = compiled.memory_analysis(), device_memory()
+    sizes = ("argument", "output", "temp")
+    need = memory and sum(getattr(memory, f"{s}_size_in_bytes") for s in sizes)
+    if need and have and need - memory.alias_size_in_bytes > have:
+        fix = "lower --batch-size or --seq-len, or add --microbatches or --remat"
+        have = f"a {jax.local_devices()[0].platform} device has {have / 1e9:,.1f} GB"
+        exit_bad_input(f"the train step needs {need / 1e9:,.1f} GB per device, {have}: {fix}")
+    return compiled, seconds
+
+
+def device_memory() -> int | None:
+    """Bytes a device holds: its limit, or on CPU, the host's available memory over its devices."""
+    if limit := (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit"):
+        return limit
+    with contextlib.suppress(OSError, StopIteration), open("/proc/meminfo") as meminfo:
+        kilobytes = next(int(s.split()[1]) for s in meminfo if s.startswith("MemAvailable:"))
+        return kilobytes * 1024 // jax.local_device_count()
+    return None
+
+
 def json_line(value) -> str:
     """A record as a line of strict JSON: a non-finite number is null."""
     finite = lambda x: x if not isinstance(x, float) or math.isfinite(x) else None  # noqa: E731
@@ -1810,6 +1629,24 @@ class Result:
     summary: dict  # what the last line of --metrics-file holds
     compiled: Any  # the compiled train step
     router: list  # with --experts, every step's routing (routing()); else empty
+
+
+def show_sharding(params):
+    """Print each parameter's path, shape, PartitionSpec and bytes per device, then draw the
+    layout of the largest matrix the strategy splits (or the largest), the first of equals."""
+    device, leaves = jax.local_devices()[0], jax.tree_util.tree_leaves_with_path(unbox(params))
+    named = [(jax.tree_util.keystr(path, simple=True, separator="/"), x) for path, x in leaves]
+    spec = lambda x: str(getattr(x.sharding, "spec", x.sharding))  # noqa: E731 (pmap's has none)
+    rows = [(n, str(x.shape), spec(x), f"{bytes_on_device(x, device):,}") for n, x in named]
+    rows = [("parameter", "shape", "spec", "bytes/device"), *rows]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)] + [0]
+    for row in rows:
+        print(*(text.ljust(width) for text, width in zip(row, widths, strict=True)))
+    matrices = {name: x for name, x in named if x.ndim == 2}
+    split = {n: x for n, x in matrices.items() if not x.sharding.is_fully_replicated} or matrices
+    if name := max(split, key=lambda n: split[n].size, default=None):
+        print(f"{name} {split[name].shape} over the devices:")
+        jax.debug.visualize_array_sharding(split[name])
 
 
 class Logger:
@@ -1918,11 +1755,11 @@ class Logger:
         """Print and write the end-of-run report; return it, the final state and compiled step."""
         if self.tracing:  # the run ended inside the traced steps
             jax.profiler.stop_trace()
-        losses, steps, devices = self.fetch(), len(self.losses), jax.device_count()
+        losses, steps = self.fetch(), len(self.losses)
         # The median step: the first interval can include one-off work
         seconds = float(np.median(self.step_seconds)) if steps else None
         waited = float(np.median(self.data_seconds)) if self.data_seconds else None
-        speed, peak = self.tokens / seconds if steps else None, self.report["peak_flops"]
+        speed = self.tokens / seconds if steps else None
         keys = ("loss", "eval_loss")  # a resumed run's records of the steps before it
         earlier = {k: [None] + [r[k] for r in self.earlier if k in r] for k in keys}
         evals = earlier["eval_loss"] + ([] if self.eval_loss is None else [self.eval_loss])
@@ -1936,7 +1773,6 @@ class Logger:
             "tokens_per_sec": speed,
             "step_seconds": seconds,
             "data_wait_seconds": waited,
-            "mfu": speed and peak and self.report["flops_per_token"] * speed / peak / devices,
             **self.report,
         }
         if steps:  # not when resumed at or after --steps

@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import common
+from tools import hlo
 import context_parallel
 import expert_parallel
 import fsdp
@@ -598,7 +599,7 @@ def test_vocabulary_is_split_over_model(name, tied):
     quarter_logits = SMALL["batch_size"] // 2 * SMALL["seq_len"] * 4096 // 4 * 4  # float32, data=2
     gathers = [
         c["bytes"]
-        for c in common.hlo_collectives(result.compiled.as_text())
+        for c in hlo.hlo_collectives(result.compiled.as_text())
         if c["op"] == "all-gather"
     ]
     print(
@@ -931,7 +932,7 @@ def check_collectives(module, config, result, specs, mesh):
     pipeline's two collective-permutes per tick between neighbouring stages, ring attention's
     hops, expert parallelism's all-to-alls, Megatron's activation all-reduces over 'model'."""
     found = []
-    for c in common.hlo_collectives(result.compiled.as_text()):
+    for c in hlo.hlo_collectives(result.compiled.as_text()):
         groups = replica_groups(c["line"])
         found.append(
             (
@@ -1191,7 +1192,7 @@ def test_every_preset_is_what_its_strategy_means(name):
     _, per_device = state_bytes(state)
     print(f"\n{name}: {per_device:,} state bytes per device, {per_device / expected:.3f} x formula")
     assert expected <= per_device <= WHOLE_SMALL_PARAMETERS * expected
-    found = [(c["op"], c["line"]) for c in common.hlo_collectives(result.compiled.as_text())]
+    found = [(c["op"], c["line"]) for c in hlo.hlo_collectives(result.compiled.as_text())]
     for op, axes in meant.needs:
         groups = device_groups(mesh, axes)
         assert any(
@@ -1419,9 +1420,7 @@ def test_expert_parallel_splits_experts_and_sends_tokens_to_them(name, expert, c
     assert per_device == (total - expert_bytes) + expert_bytes // expert  # the layout's prediction
     config = common.Config(**{**SMALL, **MOE, "capacity_factor": capacity_factor})
     rows, length, layers = SMALL["batch_size"] // DEVICES, SMALL["seq_len"], SMALL["layers"]
-    found = [
-        c for c in common.hlo_collectives(result.compiled.as_text()) if c["op"] != "all-reduce"
-    ]
+    found = [c for c in hlo.hlo_collectives(result.compiled.as_text()) if c["op"] != "all-reduce"]
     if capacity_factor:
         carried = {experts * rows * common.capacity(config, length) * d * 4: 4 * layers}
         ops = {"all-to-all"}
@@ -1455,7 +1454,7 @@ def test_tensor_parallelism_is_megatron(name):
     # Float32, data=2
     activation = SMALL["batch_size"] // 2 * SMALL["seq_len"] * SMALL["d_model"] * 4
     by_group = {}
-    for c in common.hlo_collectives(run(name).compiled.as_text()):
+    for c in hlo.hlo_collectives(run(name).compiled.as_text()):
         groups = frozenset(replica_groups(c["line"]) or ())
         by_group.setdefault((c["op"], groups), []).append(c["bytes"] * c["runs"])
     model_reduces = by_group.pop(("all-reduce", frozenset(MODEL_GROUPS)))
@@ -1500,11 +1499,11 @@ def test_sequence_parallelism_splits_the_residual_stream(name):
     temporaries per device fall: the residual stream, the norms and dropout hold 1/model of the
     sequence."""
     result, plain = run(name), run(name.removesuffix("_sp"))
-    hlo, model = result.compiled.as_text(), 4
+    text, model = result.compiled.as_text(), 4
     rows, length, width = SMALL["batch_size"] // 2, SMALL["seq_len"], SMALL["d_model"]
     activation, piece = rows * length * width * 4, f"f32[{rows},{length // model},{width}]"
     gathers, reduces = [], []
-    for c in common.hlo_collectives(hlo):
+    for c in hlo.hlo_collectives(text):
         groups = frozenset(replica_groups(c["line"]) or ())
         if groups == frozenset(MODEL_GROUPS) and c["bytes"] >= activation:
             name_ = re.match(r"\s*(?:ROOT )?%(\S+) =", c["line"]).group(1)
@@ -1518,13 +1517,13 @@ def test_sequence_parallelism_splits_the_residual_stream(name):
     whole = [
         instruction
         for c, instruction in reduces
-        if c["op"] == "all-reduce" and piece not in users_shapes(hlo, instruction)
+        if c["op"] == "all-reduce" and piece not in users_shapes(text, instruction)
     ]
     assert len(whole) <= name.startswith("explicit"), whole
     # Tensor parallelism alone gathers no activation: it all-reduces them whole
     assert not [
         c
-        for c in common.hlo_collectives(plain.compiled.as_text())
+        for c in hlo.hlo_collectives(plain.compiled.as_text())
         if c["op"] == "all-gather" and c["bytes"] >= activation
     ]
     temporaries = result.summary["compiled_temp_bytes"], plain.summary["compiled_temp_bytes"]
@@ -1580,7 +1579,7 @@ def test_pipeline_splits_the_blocks_over_stages(schedule, layers):
         {(3, 0), (7, 4)} if groups > 1 else set()
     )
     pairs = set()
-    for c in common.hlo_collectives(result.compiled.as_text()):
+    for c in hlo.hlo_collectives(result.compiled.as_text()):
         if c["op"] == "collective-permute":
             pairs |= {
                 tuple(map(int, p))
@@ -1608,9 +1607,7 @@ def test_ring_attention_passes_keys_and_values_around_the_ring(mesh, context):
         * 4
     )
     permutes = [
-        c
-        for c in common.hlo_collectives(result.compiled.as_text())
-        if c["op"] == "collective-permute"
+        c for c in hlo.hlo_collectives(result.compiled.as_text()) if c["op"] == "collective-permute"
     ]
     hops = sum(c["runs"] for c in permutes)
     print(
@@ -1634,7 +1631,7 @@ def test_ring_attention_passes_keys_and_values_around_the_ring(mesh, context):
         assert pairs == ring or pairs == {(b, a) for a, b in ring}
     gathers = [
         c["bytes"]
-        for c in common.hlo_collectives(result.compiled.as_text())
+        for c in hlo.hlo_collectives(result.compiled.as_text())
         if c["op"] == "all-gather"
     ]
     assert all(size < block for size in gathers)
@@ -1777,7 +1774,7 @@ def test_one_layout_written_by_hand_matches():
     compare("manual_fsdp_tp", result, reference(), real=False)
     check_layout(logical_pjit, config, result.state)
     found = {}
-    for c in common.hlo_collectives(result.compiled.as_text()):
+    for c in hlo.hlo_collectives(result.compiled.as_text()):
         groups = replica_groups(c["line"])
         axis = {frozenset(MODEL_GROUPS): "model", frozenset(DATA_GROUPS): "data"}.get(
             frozenset(groups or ()), "all"

@@ -4,7 +4,7 @@ Each script (and each logical_pjit.py rules preset) runs in its own process with
 flags and writes --metrics-file; this reads the logged losses and the end-of-run report and
 prints the table; with --out DIR it also writes into DIR:
   results.md   one row per strategy: losses, state bytes per device, the compiled step's
-               memory, collectives per step and the bytes they send, compile time, speed
+               memory, collectives per step and their bytes, compile time, speed
   results.png  the loss curves and the state bytes per device
 and with --write it writes those into benchmarks/ and puts the table into docs/costs.md
 between the benchmark markers: the tracked files change only when asked. With --remat, each strategy
@@ -75,7 +75,7 @@ def table(rows):
     header = (
         "| strategy | final loss | held-out loss | state MB/device | × total/N | compiled args MB "
         "| temp MB | temp MB, --remat | all-reduce n / MB | all-gather n / MB | reduce-scatter n "
-        "/ MB | other n / MB | sent MB/device | compile s | ms/step | tokens/s | MFU |"
+        "/ MB | other n / MB | compile s | ms/step | tokens/s |"
     )
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for strategy, (_, s, remat) in rows.items():
@@ -97,11 +97,9 @@ def table(rows):
             collective_cell(c["all-gather"]),
             collective_cell(c["reduce-scatter"]),
             collective_cell(other),
-            megabytes(sum(op["wire_bytes"] for op in c.values())),
             f"{s['compile_seconds']:.1f}",
             f"{s['step_seconds'] * 1e3:.1f}",
             f"{s['tokens_per_sec']:,.0f}",
-            "n/a" if s["mfu"] is None else f"{s['mfu']:.1%}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -196,8 +194,8 @@ def main():
         f"`{command}`: {first['devices']} {first['device_kind']} devices, {first['steps']} steps, "
         f"{first['param_count'] / 1e6:.2f}M parameters ({first['param_bytes'] / 1e6:.2f} MB), "
         f"state {first['state_bytes_total'] / 1e6:.2f} MB in all. Collectives: count per step and "
-        "MB per device (the larger of each op's input and output); sent: what each device sends "
-        "per step for all of them, as a ring sends them (docs/costs.md)."
+        "MB per device (the larger of each op's input and output); what a ring sends of them: "
+        "docs/costs.md's formulas."
     )
     picture = "![loss curves and state bytes per device](benchmarks/results.png)"
     markdown = f"{described}\n\n{table(rows)}\n\n{picture}\n"

@@ -22,6 +22,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 import common
+from tools import hlo
 import context_parallel
 import expert_parallel
 import explicit_sharding
@@ -195,6 +196,11 @@ def run(name, **overrides):
     return run_uncached(name, **overrides)
 
 
+def read_closely(result) -> dict:
+    """A run's summary with tools/hlo.py's reading of its step: wire bytes, FLOPs."""
+    return {**result.summary, **hlo.costs(result.config, result.compiled)}
+
+
 # What a user adds to pjit_tp.py's PARAM_SPECS to train tests/llama.py (the other scripts need
 # nothing): its parameters' names, in the Megatron layout.
 LLAMA_SPECS = (
@@ -219,7 +225,7 @@ LLAMA_SPECS = (
 def collectives(compiled):
     """{op: [replica groups of each instance]} for every collective in the compiled HLO."""
     found = {}
-    for collective in common.hlo_collectives(compiled.as_text()):
+    for collective in hlo.hlo_collectives(compiled.as_text()):
         found.setdefault(collective["op"], []).append(replica_groups(collective["line"]))
     return found
 

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 
 import common
+from tools import hlo
 from tests.harness import MOE, SMALL, TINY, run_script
 from tools import routing_cost
 
@@ -316,7 +317,7 @@ def test_a_token_costs_its_top_k_experts():
         params = jax.eval_shape(
             lambda config=config: common.init_params(common.make_model(config), jax.random.key(0))
         )
-        flops[name] = common.flops_per_token(config, params)
+        flops[name] = hlo.flops_per_token(config, params)
     mlp = d * 4 * d + 4 * d + 4 * d * d + d
     assert flops["moe"] - flops["dense"] == 6 * SMALL["layers"] * (
         (MOE["top_k"] - 1 + MOE["shared_experts"]) * mlp + (d + 1) * MOE["experts"]

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-import common
+from tools import hlo
 from tools import compile_for as tool
 from tests.harness import FULL, MOE, ROOT, as_flags, matrix
 
@@ -49,15 +49,15 @@ def compile_for(script, tmp_path, *flags, topology=TOPOLOGY):
 def test_every_script_compiles_for_a_tpu_slice(script, tmp_path):
     """The report is the TPU program's, nothing run: its state per chip what the program takes
     in, its collectives the docstring's, its matmul FLOPs within XLA's own count."""
-    done, summary, hlo = compile_for(script, tmp_path)
+    done, summary, text = compile_for(script, tmp_path)
     assert not re.search(r"^step \d", done.stdout, re.M)  # compiled, no step run
     assert done.stderr == ""  # and libtpu said nothing
     assert summary["devices"] == 8 and summary["device_kind"] == "TPU v5 lite"
     # The program's inputs (their shapes, TPU's tile padding aside): the state's pieces the
     # report counts, and this chip's rows of the batch
-    computations, shapes, entry = common._hlo_program(hlo)
+    computations, shapes, entry = hlo._hlo_program(text)
     inputs = [name for name, opcode, *_ in computations[entry] if opcode == "parameter"]
-    taken = sum(common._shape_bytes(shapes[name]) for name in inputs)
+    taken = sum(hlo._shape_bytes(shapes[name]) for name in inputs)
     rows = 32 * 65 * 4  # at most the whole batch, int32 tokens
     assert 0 <= taken - summary["state_bytes_per_device"] <= rows + 1024, taken
     assert summary["compiled_argument_bytes"] >= taken  # padded to tiles
@@ -257,12 +257,12 @@ SLICES = {"TPU v5 lite": "v5e:4x4", "TPU v5": "v5p:2x2x2", "TPU v6 lite": "v6e:4
 
 
 def peak(device_kind):
-    """common.PEAK_FLOPS' figure for a device, as the cost report looks it up (first match)."""
-    return next((p for name, p in common.PEAK_FLOPS if name in device_kind.lower()), None)
+    """hlo.PEAK_FLOPS' figure for a device, as tools/compile_for.py looks it up (first match)."""
+    return next((p for name, p in hlo.PEAK_FLOPS if name in device_kind.lower()), None)
 
 
 def test_the_chips_figures_are_their_makers():
-    """tools/compile_for.py's CHIPS and common.PEAK_FLOPS against the published figures, each
+    """tools/compile_for.py's CHIPS and hlo.PEAK_FLOPS against the published figures, each
     chip looked up by the device_kind JAX gives it (the first match wins: 'tpu v5' is in
     'tpu v5 lite' too)."""
     assert set(tool.CHIPS) == {kind.lower() for kind in SLICES}

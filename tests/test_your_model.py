@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import common
+from tools import hlo
 import pjit_tp
 from tests import docs_model, docs_model_as_written
 from tools import check
@@ -264,9 +265,9 @@ def test_tie_embeddings_is_the_gpt_s(capsys):
 
 def test_a_tied_head_costs_its_matmul():
     """FLOPs per token of a tied head: its table is the head's kernel, so 6 per element."""
-    untied = common.flops_per_token(common.Config(), common.model_shapes(common.Config()).params)
+    untied = hlo.flops_per_token(common.Config(), common.model_shapes(common.Config()).params)
     config = common.Config(tie_embeddings=True)
-    tied = common.flops_per_token(config, common.model_shapes(config).params)
+    tied = hlo.flops_per_token(config, common.model_shapes(config).params)
     assert tied == untied  # the same matmuls, one table fewer to store
     assert (
         sum(x.size for x in jax.tree.leaves(common.model_shapes(config).params))
@@ -410,10 +411,10 @@ def test_a_text_file_too_short_or_absent_is_one_line(
     assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
 
 
-def test_the_cost_report_needs_no_parameter_names():
-    """FLOPs per token for a model with other names: 6 per parameter but nn.Embed's tables,
-    plus the attention term."""
-    summary = run_uncached("shardmap_dp", model="tests.llama", steps=1, eval_every=0).summary
-    n, vocab, d = summary["param_count"], SMALL.get("vocab_size", 256), SMALL["d_model"]
+def test_the_flop_count_needs_no_parameter_names():
+    """FLOPs per token (tools/hlo.py's) for a model with other names: 6 per parameter but
+    nn.Embed's tables, plus the attention term."""
+    result = run_uncached("shardmap_dp", model="tests.llama", steps=1, eval_every=0)
+    n, vocab, d = result.summary["param_count"], SMALL.get("vocab_size", 256), SMALL["d_model"]
     expected = 6 * (n - vocab * d) + 12 * SMALL["layers"] * SMALL["seq_len"] * d
-    assert summary["flops_per_token"] == expected
+    assert hlo.costs(result.config, result.compiled)["flops_per_token"] == expected

@@ -30,8 +30,11 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # hlo.py, beside this tool
+import hlo  # noqa: E402
+
 # A TPU chip's HBM bytes, HBM bytes/s and bidirectional inter-chip (ICI) bytes/s, by device_kind
-# (cloud.google.com/tpu/docs/v5e, v5p and v6e); its peak FLOP/s is common.PEAK_FLOPS'.
+# (cloud.google.com/tpu/docs/v5e, v5p and v6e); its peak FLOP/s is hlo.PEAK_FLOPS'.
 CHIPS = {
     "tpu v5 lite": (16 * 2**30, 819e9, 400e9),  # v5e
     "tpu v5": (95 * 2**30, 2765e9, 1200e9),  # v5p
@@ -85,9 +88,8 @@ def predict(compiled, step_flops: float, model_flops: float, wire_bytes: float, 
     """The step's seconds at the chip's rates (matmuls at peak, HBM traffic by XLA's count, a
     loop's body once, collectives on the interconnect) two ways: overlapped, the largest of the
     three (a floor); not overlapped, the collectives after the larger of the other two. MFUs."""
-    import common
 
-    peak = next(p for n, p in common.PEAK_FLOPS if n in kind)
+    peak = next(p for n, p in hlo.PEAK_FLOPS if n in kind)
     hbm, hbm_rate, ici_rate = CHIPS[kind]
     accessed = compiled.cost_analysis()["bytes accessed"]
     times = dict(compute=step_flops / peak, hbm=accessed / hbm_rate)
@@ -106,22 +108,17 @@ def report(config, topology: str, compiled, state, seconds: float) -> dict:
 
     import common
 
-    device, memory, hlo = jax.devices()[0], compiled.memory_analysis(), compiled.as_text()
+    device, memory, text = jax.devices()[0], compiled.memory_analysis(), compiled.as_text()
     kind, full = device.device_kind.lower(), common.model_shapes(config)
-    collectives = {op: {"count": 0, "bytes": 0, "wire_bytes": 0.0} for op in common.COLLECTIVES}
-    for found in common.hlo_collectives(hlo):
-        counted, runs = collectives[found["op"]], found["runs"]
-        counted["count"] += runs
-        counted["bytes"] += runs * found["bytes"]
-        counted["wire_bytes"] += runs * common.wire(found["op"], found["group"]) * found["bytes"]
+    costs = hlo.costs(config, compiled)
     params, whole = common.unbox(full.params), common.unbox((full.params, full.opt_state))
-    step_flops, per_token = common.hlo_flops(hlo), common.flops_per_token(config, params)
-    model_flops = per_token * config.batch_size * config.seq_len / jax.device_count()
-    wire = sum(c["wire_bytes"] for c in collectives.values())
+    step_flops = costs["step_flops"]
+    model_flops = step_flops / costs["step_flops_over_model"]
+    wire = sum(c["wire_bytes"] for c in costs["collectives"].values())
     # A loop whose trip count the TPU program does not state (pipeline.py's ticks): its matmuls
-    # are counted (common._trips reads its condition), its HBM traffic (XLA's) once
+    # are counted (hlo._trips reads its condition), its HBM traffic (XLA's) once
     uncounted = sum(
-        " while(" in line and "known_trip_count" not in line for line in hlo.split("\n")
+        " while(" in line and "known_trip_count" not in line for line in text.split("\n")
     )
     sizes = ("argument", "output", "temp")
     need = sum(getattr(memory, f"{s}_size_in_bytes") for s in sizes) - memory.alias_size_in_bytes
@@ -133,9 +130,7 @@ def report(config, topology: str, compiled, state, seconds: float) -> dict:
         "processes": len({d.process_index for d in jax.devices()}),
         "platform": "tpu (compiled, not run)",
         "param_count": sum(x.size for x in jax.tree.leaves(params)),
-        "flops_per_token": per_token,
-        "step_flops": step_flops,
-        "step_flops_over_model": step_flops / model_flops,
+        **costs,
         "xla_flops": compiled.cost_analysis()["flops"],  # XLA's own count: a loop's body once
         "state_bytes_total": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(whole)),
         "state_bytes_per_device": sum(map(per_chip, shards)),
@@ -143,8 +138,6 @@ def report(config, topology: str, compiled, state, seconds: float) -> dict:
         "compiled_argument_bytes": memory.argument_size_in_bytes,
         "compiled_temp_bytes": memory.temp_size_in_bytes,
         "hbm_need_bytes": need,
-        "collectives": collectives,
-        "mfu": None,
         "loops_counted_once": uncounted,
         "predicted": predict(compiled, step_flops, model_flops, wire, kind)
         if kind in CHIPS
@@ -156,7 +149,7 @@ def lines(summary: dict) -> str:
     """What the report says, for people: common.report_lines', and the chip's."""
     import common
 
-    text = common.report_lines(summary).replace("MFU n/a on tpu (compiled, not run)", "not run")
+    text = common.report_lines(summary)
     if tpu := summary["predicted"]:
         fits = "fits" if summary["hbm_need_bytes"] <= tpu["hbm"] else "does not fit"
         parts = ", ".join(f"{t * 1e3:,.2f}" for t in tpu["seconds"].values())

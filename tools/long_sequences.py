@@ -41,6 +41,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import common  # noqa: E402
+from tools import hlo  # noqa: E402
 import context_parallel  # noqa: E402
 import pjit_tp  # noqa: E402
 
@@ -84,7 +85,7 @@ def attention_cost(split, length):
     compiled = jax.jit(step).lower(*[shape] * 4).compile()
     sent = sum(
         SENT[c["op"]](CONTEXT) * c["bytes"] * c["runs"]
-        for c in common.hlo_collectives(compiled.as_text())
+        for c in hlo.hlo_collectives(compiled.as_text())
         if c["op"] in SENT  # (not the loss's all-reduce, of one number)
     )
     return sent, compiled.memory_analysis().temp_size_in_bytes

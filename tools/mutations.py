@@ -489,7 +489,7 @@ BUGS = [
     ),
     # The tools' own figures
     Bug(
-        "common.py",
+        "tools/hlo.py",
         '("tpu v5", 459e12),  # v5p',
         '("tpu v5", 495e12),  # v5p',
         "v5p's peak is 495 TFLOP/s, not its maker's 459: every v5p MFU and predicted step off",

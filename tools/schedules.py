@@ -22,6 +22,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from tools import hlo  # noqa: E402
 import pipeline  # noqa: E402
 
 STAGES, MICROBATCHES, VIRTUAL, LAYERS = 4, 8, 2, 8
@@ -83,8 +84,8 @@ def op_costs(blocks=1, config=None):
 
     inputs, dense_grads = jax.eval_shape(input_grad, params, x, x)[2:]
 
-    def flops(fn, *args):  # its matmuls', each loop's body times its trips (common.hlo_flops)
-        return pipeline.common.hlo_flops(jax.jit(fn).lower(*args).compile().as_text())
+    def flops(fn, *args):  # its matmuls', each loop's body times its trips (hlo.hlo_flops)
+        return hlo.hlo_flops(jax.jit(fn).lower(*args).compile().as_text())
 
     f = flops(forward, params, x)
     return {
