@@ -1096,13 +1096,13 @@ def eval_batches(dataset, config: TrainingConfig) -> list:
     return [host_batch(dataset, config, i, "eval") for i in range(count)]
 
 
-def train_batches(dataset, config: TrainingConfig, start: int, log: typing.Any):
-    """(step, this process's rows of its batch), made while the devices run the step before."""
+def train_batches(dataset, config: TrainingConfig, start: int):
+    """(step, this process's rows of its batch, the seconds they took), each made while the
+    devices run the step before."""
     for step in range(start, config.steps):
         began = time.perf_counter()
         rows = host_batch(dataset, config, step)
-        log.data_seconds.append(time.perf_counter() - began)
-        yield step, rows
+        yield step, rows, time.perf_counter() - began
 
 
 def make_mesh(shape: dict, kind=jax.sharding.AxisType.Explicit) -> jax.sharding.Mesh:
@@ -1419,16 +1419,52 @@ def log_print(text: str):
 # ----------------------------------------------------------------------------------------------
 
 
+class StopSignals:
+    """Ctrl-C, and SIGTERM (a preemption), ask the run to finish its step, save and stop; with
+    several processes, JAX's preemption service says at which step, the same on every one."""
+
+    def __init__(self):
+        self.stopping = False
+        handled = [signal.SIGINT] + [signal.SIGTERM] * (jax.process_count() == 1)
+        self.handlers = {s: signal.signal(s, self.stop) for s in handled}
+
+    def stop(self, signum, frame):
+        self.stopping = True
+        self.close()  # a second one is Python's own
+        name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
+        print(f"{name}: the run will finish its step, save and stop", flush=True)
+        if jax.process_count() > 1:  # tell the other processes, through the preemption service
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def requested(self, step: int) -> bool:
+        """Whether the run stops after step `step`."""
+        if jax.process_count() > 1:
+            return multihost_utils.reached_preemption_sync_point(step + 1)
+        return self.stopping
+
+    def close(self):
+        for signum, handler in self.handlers.items():
+            signal.signal(signum, handler)
+
+
+def stop_if_not_finite(config: Config, step: int, metrics):
+    """Every --log-every steps and at the last: stop if the step's loss is not finite."""
+    if (step + 1) % config.log_every and step + 1 != config.steps:
+        return
+    loss = host_value(metrics["loss_sum"]) / host_value(metrics["tokens"])
+    why = "a token id past --vocab-size (tools/check.py --dataset) or too high an --lr?"
+    if not math.isfinite(loss):
+        raise SystemExit(f"stopped: the loss is {loss} at step {step + 1}; not saved ({why})")
+
+
 class Checkpoints:
     """Orbax's Checkpointer and its policies: a save every --checkpoint-every steps, at the last
-    and on preemption, the newest --keep kept; Ctrl-C saves and stops. The layout is the
-    TrainState as global arrays (to_saved, from_saved): any script resumes any other's."""
+    and when the run stops early, the newest --keep kept. The layout is the TrainState as global
+    arrays (to_saved, from_saved): any script resumes any other's."""
 
     def __init__(self, config: Config, to_saved=lambda s: s, from_saved=lambda saved, s: saved):
         self.config, self.to_saved, self.from_saved = config, to_saved, from_saved
-        self.checkpointer, self.stopping, self.saving, self.steps = None, False, None, []
-        handled = [signal.SIGINT] + [signal.SIGTERM] * (jax.process_count() == 1)
-        self.handlers = {s: signal.signal(s, self.stop) for s in handled}
+        self.checkpointer, self.saving, self.steps = None, None, []
         if config.checkpoint_dir:
             when = ocp.training.save_decision_policies
             every, last = when.FixedIntervalPolicy(config.checkpoint_every), [config.steps]
@@ -1441,15 +1477,6 @@ class Checkpoints:
                 cleanup_tmp_directories=True,
             )
             self.steps = sorted((c.step for c in self.checkpointer.checkpoints), reverse=True)
-
-    def stop(self, signum, frame):
-        self.stopping = True
-        for handled, handler in self.handlers.items():  # a second one is Python's own
-            signal.signal(handled, handler)
-        name = "Ctrl-C" if signum == signal.SIGINT else "SIGTERM"
-        print(f"{name}: the run will finish its step, save and stop", flush=True)
-        if jax.process_count() > 1:  # tell the other processes, through the preemption service
-            os.kill(os.getpid(), signal.SIGTERM)
 
     def restore(self, state):
         """The newest readable checkpoint, laid out like `state`, and its step; one that cannot be
@@ -1480,15 +1507,11 @@ class Checkpoints:
             exit_bad_input(f"--checkpoint-dir {folder} {why}, e.g. --checkpoint-dir runs/new")
         return state, 0
 
-    def save(self, step: int, state, log) -> bool:
-        """After step `step`: save if a policy or a signal says so (never a non-finite state).
-        True when the run should stop now."""
-        done = step + 1
-        # Several processes stop at the step JAX's preemption service agrees, all the same one
-        several = jax.process_count() > 1
-        stop = multihost_utils.reached_preemption_sync_point(done) if several else self.stopping
+    def save(self, step: int, state, stopping: bool = False):
+        """After step `step`: save if a policy says so or the run is stopping; stop the run
+        instead of saving a state that is not finite."""
+        done, stop = step + 1, stopping
         if self.checkpointer and (stop or self.checkpointer.should_save(done)):
-            log.fetch()  # stops at a non-finite loss
             if not all_finite(self.to_saved(state)):  # an update can overflow after a finite loss
                 raise SystemExit(f"stopped: the state after step {done} is not finite; not saved")
             self.wait()
@@ -1498,7 +1521,6 @@ class Checkpoints:
         if stop:
             saved = "saved the checkpoint of" if self.checkpointer else "nothing saved at"
             log_print(f"stopped: {saved} step {done}")
-        return stop
 
     def wait(self):
         """Wait for the save under way; one that failed (a full disk, say) stops the run."""
@@ -1511,9 +1533,7 @@ class Checkpoints:
             raise SystemExit(f"error: the checkpoint of step {step} was not saved {why}") from None
 
     def close(self):
-        """Wait for the saves still being written; give the signals back."""
-        for signum, handler in self.handlers.items():
-            signal.signal(signum, handler)
+        """Wait for the saves still being written."""
         if self.checkpointer:
             try:
                 self.wait()
@@ -1686,29 +1706,24 @@ class Logger:
         return open(path, "a")
 
     def fetch(self) -> list:
-        """Every step's loss so far, as numbers; the run stops at a non-finite one."""
-        for step, metrics in self.pending:
-            loss = host_value(metrics["loss_sum"]) / host_value(metrics["tokens"])
-            if not math.isfinite(loss):
-                last = f"; the last finite loss was {self.losses[-1]:.4f}" if self.losses else ""
-                why = "" if last else "a token id past --vocab-size (tools/check.py --dataset) or "
-                stop = f"stopped: the loss is {loss} at step {step + 1}{last}; not saved"
-                raise SystemExit(f"{stop} ({why}too high an --lr?)")
-            self.losses.append(loss)
+        """Every step's loss so far, as numbers."""
+        for metrics in self.pending:
+            self.losses.append(host_value(metrics["loss_sum"]) / host_value(metrics["tokens"]))
             self.grad_norms.append(host_value(metrics["grad_norm"]))
             if "expert_tokens" in metrics:
                 self.router.append(routing(metrics, self.config.layers))
         self.pending = []
         return self.losses
 
-    def log(self, step: int, metrics):
+    def log(self, step: int, metrics, waited: float):
+        self.data_seconds.append(waited)  # the seconds the step's batch took to make
         if self.config.profile and step in (self.start, self.start + 3):  # after one-off work
             jax.block_until_ready(metrics)
             folder, self.tracing = self.config.profile, not self.tracing
             jax.profiler.start_trace(folder) if self.tracing else jax.profiler.stop_trace()
             if not self.tracing:
                 log_print(f"profile of steps {step - 1}-{step + 1} written to {folder}")
-        self.pending.append((step, metrics))
+        self.pending.append(metrics)
         if (step + 1) % self.config.log_every and step + 1 != self.config.steps:
             return
         count, loss = len(self.pending), self.fetch()[-1]  # waits for the step to finish

@@ -453,19 +453,24 @@ def main(config):
         f"Explicit mesh data={mesh.shape['data']},model={mesh.shape['model']}, rules {config.rules}"
     )
     log = common.Logger(config, dataset, layout, report, state.params, start)
+    stop = common.StopSignals()  # Ctrl-C or SIGTERM: the run finishes its step, saves, stops
     try:
         # Each made while the devices run the step before (JAX dispatches asynchronously)
-        for step, rows in common.train_batches(dataset, config, start, log):
+        for step, rows, waited in common.train_batches(dataset, config, start):
             batch = device_batch(rows, mesh, rules)
             # The program compiled above, which the report describes.
             state, metrics = compiled(state, batch)
-            log.log(step, metrics)
+            log.log(step, metrics, waited)
+            common.stop_if_not_finite(config, step, metrics)  # every --log-every steps
             if log.eval_due(step):
                 with jax.set_mesh(mesh):  # traced here the first time
                     log.eval(step, eval_fn, state, eval_data)
-            if checkpoints.save(step, state, log):  # Ctrl-C or SIGTERM: saved, stop
+            stopping = stop.requested(step)  # the same step on every process
+            checkpoints.save(step, state, stopping)  # when due; never a non-finite state
+            if stopping:
                 break
     finally:
+        stop.close()  # the signals back to their handlers
         checkpoints.close()  # lets the saves still being written finish, whatever happened
     return log.finish(state, compiled)  # the end-of-run report, and what the run made
 

@@ -562,11 +562,10 @@ def test_a_non_finite_state_is_never_saved(tmp_path):
     # Python scalar on one device and refuses to mix it with the state's 8.
     with jax.set_mesh(jax.tree.leaves(state.params)[0].sharding.mesh):
         broken = state.replace(params=jax.tree.map(lambda x: x.at[0].set(jnp.inf), state.params))
-    log = type("Log", (), {"fetch": lambda self: [2.5]})()  # the step's loss was finite
     checkpoints = common.Checkpoints(config)
     try:
         with pytest.raises(SystemExit) as stopped:
-            checkpoints.save(0, broken, log)
+            checkpoints.save(0, broken)
     finally:
         checkpoints.close()
     assert str(stopped.value.code) == "stopped: the state after step 1 is not finite; not saved"
@@ -669,3 +668,44 @@ def test_a_checkpoint_of_an_older_layout_is_refused_in_one_line(tmp_path, capsys
     assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
     assert "holds no readable checkpoint (10: " in err
     assert (tmp_path / "old" / "10.unreadable").is_dir()
+
+
+def test_a_copy_without_the_logger_still_stops_and_saves(tmp_path):
+    """A copier's fsdp.py with the logger and the cost report deleted, the first things most
+    replace: it still saves, resumes, and stops at a non-finite loss, in its loop's own lines."""
+    copy_alone("fsdp", tmp_path)
+    text = (tmp_path / "fsdp.py").read_text()
+    for line in (
+        "    report = common.cost_report(config, state, compiled, compile_seconds)\n",
+        "    log = common.Logger(config, dataset, layout, report, state.params, start)\n",
+        "            log.log(step, metrics, waited)\n",
+        "            if log.eval_due(step):\n",
+        "                log.eval(step, eval_fn, state, eval_data)\n",
+    ):
+        assert text.count(line) == 1, line
+        text = text.replace(line, "")
+    end = "    return log.finish(state, compiled)  # the end-of-run report, and what the run made\n"
+    assert text.count(end) == 1
+    (tmp_path / "fsdp.py").write_text(text.replace(end, "    return state\n"))
+
+    def train(*flags):
+        command = [sys.executable, "fsdp.py", *TINY, "--log-every", "1", *flags]
+        return subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+
+    saving = ["--checkpoint-dir", "ckpt", "--checkpoint-every", "2"]
+    first = train("--steps", "4", *saving)
+    assert first.returncode == 0 and first.stdout == "", first.stderr[-2000:]
+    assert sorted(int(n) for n in os.listdir(tmp_path / "ckpt") if n.isdigit()) == [2, 4]
+    resumed = train("--steps", "6", *saving)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed from the checkpoint of step 4 in ckpt\n" in resumed.stdout
+    assert sorted(int(n) for n in os.listdir(tmp_path / "ckpt") if n.isdigit()) == [2, 4, 6]
+    broken = train(
+        "--steps", "50", "--lr", "1e6", "--checkpoint-dir", "nan", "--checkpoint-every", "1"
+    )
+    bad = re.search(
+        r"^stopped: the loss is (nan|inf) at step (\d+); not saved", broken.stderr, re.M
+    )
+    assert broken.returncode == 1 and bad, broken.stderr[-2000:]
+    saved = [int(n) for n in os.listdir(tmp_path / "nan") if n.isdigit()]
+    assert saved and max(saved) < int(bad[2])

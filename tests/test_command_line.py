@@ -420,8 +420,9 @@ def test_non_finite_loss_stops_and_is_never_saved(tmp_path):
     )
     assert done.returncode == 1
     message = done.stderr.strip().splitlines()[-1]
-    bad = int(re.search(r"the loss is (nan|inf) at step (\d+)", message).group(2))
-    assert "last finite loss" in message
+    found = re.search(r"the loss is (nan|inf) at step (\d+)", message)
+    bad = int(found[2])
+    assert re.search(rf"^step\s+{bad}/50 \| loss {found[1]} ", done.stdout, re.M)  # its line, too
     saved = [int(n) for n in os.listdir(tmp_path / "ckpt") if n.isdigit()]
     assert saved and max(saved) < bad
 

@@ -243,10 +243,10 @@ def main(config):
     report = common.cost_report(config, state, compiled, compile_seconds)
     layout = f"mesh data={mesh.shape['data']},model={mesh.shape['model']}, FSDP+TP by hand"
     log = common.Logger(config, dataset, layout, report, state.params, 0)
-    for step, rows in common.train_batches(dataset, config, 0, log):
+    for step, rows, waited in common.train_batches(dataset, config, 0):
         batch = jax.make_array_from_process_local_data(NamedSharding(mesh, batch_spec), rows)
         state, metrics = compiled(state, batch)
-        log.log(step, metrics)
+        log.log(step, metrics, waited)
     return log.finish(state, compiled)
 
 
