@@ -129,9 +129,10 @@ def check_ranges(c: TrainingConfig):
 #      Block, activations -> activations alike, or (them, a dict of float32 sums over its rows
 #      for the metrics, 'aux_loss_sum' joining the loss); Head, activations -> float32 logits
 #      [batch, length, --vocab-size]. Or one nnx.Module, Model(config, hooks, rngs=rngs), whose
-#      model(tokens) runs `for block in self.blocks: x = block(x)`: cut there (whole). Linen
+#      model(tokens) runs `for block in self.blocks: x = block(x)`: cut there (cut_at_blocks). Linen
 #      pieces come in through nnx.bridge (tests/llama.py).
-#   2. Every parameter names its axes: nnx.with_partitioning(init, names), e.g. ("embed", "mlp").
+#   2. Parameters name their axes, nnx.with_partitioning(init, names), e.g. ("embed", "mlp"), for
+#      the scripts that lay them out by name: pjit_tp.py, logical_pjit.py, explicit_sharding.py.
 #   3. Attention goes through hooks.attend(q, k, v) (q [batch, length, heads, head_dim]; k, v as
 #      many or fewer heads; causal), positions come from hooks.positions(length); a mixture of
 #      experts reaches them through hooks.to_experts or .dropless, its sequence .whole_sequence.
@@ -347,31 +348,28 @@ def call(piece: PieceDef, module, x):
     return (out, None) if piece.name == "block" and not isinstance(out, tuple) else out
 
 
-class _Reached(Exception):
-    """Raised by a whole model's first block: the activations its embedding made."""
+def cut_at_blocks(model_class) -> Pieces:
+    """A model written whole, Model(config, hooks, rngs=rngs), cut at its blocks into pieces:
+    Embed runs it to its first block, Head on from its last (the rest, dead code, compiled away)."""
 
-
-def _reached(x, *_):
-    raise _Reached(x)
-
-
-def whole(model_class) -> Pieces:
-    """A model written whole, Model(config, hooks, rngs=rngs), cut at its blocks into pieces."""
-
-    class Top(model_class):  # the model less its blocks: up to the first (Embed), or after them
+    class Top(model_class):  # the model less its blocks
         def __init__(self, config, hooks, *, rngs):
             super().__init__(config, hooks, rngs=rngs)
             del self.blocks  # each a piece of its own
 
-        def __call__(self, x):  # tokens (Embed), or the blocks' output (Head: what ran before
-            tokens = x.ndim == 2  # the blocks, the embedding's lookup, is dead code)
-            self.blocks = [_reached if tokens else lambda *_: x]
+        def __call__(self, x):  # tokens (Embed), or the blocks' output (Head)
+            tokens, reached = x.ndim == 2, []
+
+            def blocks(y, *_):  # where the blocks ran: Embed keeps their input, Head gives x
+                reached.append(y)
+                return y if tokens else x
+
+            self.blocks = [blocks]
             try:
-                return super().__call__(x if tokens else jnp.zeros(x.shape[:2], jnp.int32))
-            except _Reached as reached:
-                return reached.args[0]
+                out = super().__call__(x if tokens else jnp.zeros(x.shape[:2], jnp.int32))
             finally:
                 del self.blocks
+            return reached[0] if tokens else out
 
     def block(config, hooks, *, rngs):
         return model_class(config, hooks, rngs=rngs).blocks[0]
@@ -963,7 +961,7 @@ def _model_pieces(name: str) -> Pieces:
         return GPT
     module = import_yours(name, "model")
     if not hasattr(module, "Embed") and isinstance(getattr(module, "Model", None), type):
-        return whole(module.Model)  # written whole
+        return cut_at_blocks(module.Model)  # written whole
     pieces = [getattr(module, piece, None) for piece in Pieces._fields[:3]]
     missing = [n for n, p in zip(Pieces._fields, pieces, strict=False) if not isinstance(p, type)]
     require(not missing, "model", f"{name} defines no {', '.join(missing)}, e.g. --model gpt")
@@ -1077,7 +1075,8 @@ def tfds_text(config: TrainingConfig):
     except tfds.core.registered.DatasetNotFoundError:
         builder = None
     how = f"neither 'synthetic', a file nor prepared (python tools/check.py --dataset {name})"
-    require(builder and builder.is_prepared(), "dataset", f"{name} is {how}, e.g. --dataset x.txt")
+    eg = "e.g. --dataset synthetic"
+    require(builder and builder.is_prepared(), "dataset", f"{name} is {how}, {eg}")
     features = list(builder.info.features)
     require(key in features, "text_key", f"{key} is not in {name}, e.g. --text-key {features[0]}")
     held_out = "validation" if "validation" in builder.info.splits else "test"

@@ -80,7 +80,7 @@ class Config(common.Config):
             not (self.keep_gathered and self.remat),
             "keep_gathered",
             "keeps the gathered parameters for the backward pass, where --remat computes each "
-            "block again, its gather too: give one of them, e.g. --keep-gathered without --remat",
+            "block again, its gather too: give one of them, e.g. --no-remat",
         )
 
 

@@ -130,9 +130,19 @@ class Config(common.Config):
             f"splits 'heads' {self.axis_size('heads')} ways under --rules {self.rules}, which does "
             f"not divide the {self.kv_heads or self.heads} key-value heads; {self.example()}",
         )
+        # Every parameter names its axes: the rules lay out by name (unnamed, it would replicate)
+        boxes = common.logical_names(self)
+        nameless = [f"{path} {box.value.shape}" for path, box in boxes if not any(box.names)]
+        common.require(
+            not nameless,
+            "model",
+            f"{self.model}: {', '.join(nameless[:3])}{', ...' * (len(nameless) > 3)} name no "
+            "logical axes for the rules to lay out: declare them with nnx.with_partitioning(init, "
+            "names), e.g. ('embed', 'mlp')",
+        )
         # Every axis name the rules and UNSPLIT do not know, at once (the first parameter of each)
         ruled, unknown = dict(RULES[self.rules]), {}
-        for path, box in common.logical_names(self):
+        for path, box in boxes:
             for name in set(box.names) - set(ruled) - set(UNSPLIT) - {None}:
                 unknown.setdefault(name, f"{path} {box.value.shape}")
         common.require(
@@ -160,10 +170,10 @@ class Config(common.Config):
                         "mesh",
                         f"splits '{name}' {self.axis_size(name)} ways under --rules {self.rules}, "
                         f"which does not divide its size {size} in {path}; "
-                        + (self.example() if gpt else self.whole(name, size, box)),
+                        + (self.example() if gpt else self.split_or_keep(name, size, box)),
                     )
 
-    def whole(self, name, size, box):
+    def split_or_keep(self, name, size, box):
         """What would split a parameter's axis evenly, and what keeping it whole would cost."""
         split, n, kv = self.axis_size(name), jax.device_count(), self.kv_heads or self.heads
         fits = max(m for m in (1, 2, 4) if size % m == 0 and n % m == 0 and kv % m == 0)
@@ -179,13 +189,10 @@ class Config(common.Config):
         groups = [k for k in range(split, self.heads + 1, split) if self.heads % k == 0]
         if self.kv_heads and self.kv_heads % split and groups:
             return f"e.g. --kv-heads {groups[0]}"
-        if self.heads % split:
+        if self.heads % split:  # and key-value heads that divide them, if given
             heads = [h for h in range(split, self.d_model + 1, split) if self.d_model % h == 0]
-            return (
-                f"e.g. --heads {heads[0]}"
-                if heads
-                else f"e.g. --heads {split} --d-model {split * 32}"
-            )
+            eg = f"--heads {heads[0]}" if heads else f"--heads {split} --d-model {split * 32}"
+            return f"e.g. {eg}" + f" --kv-heads {split}" * bool(self.kv_heads)
         for d_model in range(self.d_model, 16 * self.d_model + 1):
             if d_model % self.heads == 0 and d_model % self.axis_size("embed") == 0:
                 return f"e.g. --d-model {d_model}"

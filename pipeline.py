@@ -96,11 +96,15 @@ class Config(common.Config):
     def mesh_axes(self):
         # 'auto' even for flags that validate() refuses next (--virtual-stages 0, --layers 3)
         n, groups = jax.device_count(), max(1, self.virtual())
-        stage = max(
+        stage = max(  # up to 4 stages, each with its layers and (gpipe aside) a micro-batch
             (
                 s
                 for s in (1, 2, 4)
-                if n % s == 0 and self.layers % (s * groups) == 0 and s <= max(1, n // 2)
+                if n % s == 0
+                and self.layers % (s * groups) == 0
+                and s <= max(1, n // 2)
+                and (self.schedule == "gpipe" or self.microbatches >= s)
+                and (self.schedule != "interleaved" or self.microbatches % s == 0)
             ),
             default=1,
         )
@@ -129,18 +133,33 @@ class Config(common.Config):
             + (f" x {groups} groups" if groups > 1 else "")
             + f", e.g. --layers {stages * groups * max(1, self.layers // (stages * groups))}",
         )
+        data, schedule = self.mesh_axes()["data"], self.schedule
+        fits = [  # micro-batch counts this batch splits into, which the schedule takes
+            m
+            for m in range(1, self.batch_size // data + 1)
+            if self.batch_size % (data * m) == 0
+            and (schedule == "gpipe" or m >= stages)
+            and (schedule != "interleaved" or m % stages == 0)
+        ]
+        m = max([m for m in fits if m <= self.microbatches] or fits[:1] or [0])
+        common.require(  # else the shared check below suggests a --batch-size
+            self.batch_size % (data * self.microbatches) == 0 or not m,
+            "batch_size",
+            f"{self.batch_size} must be divisible by {data} batch shards x {self.microbatches} "
+            f"micro-batches, e.g. --microbatches {m} (or --batch-size "
+            f"{data * self.microbatches * max(1, self.batch_size // (data * self.microbatches))})",
+        )
         super().validate()
+        eg = f"--microbatches {m}" if m else f"--microbatches {stages} --batch-size {data * stages}"
         common.require(
             self.schedule != "interleaved" or self.microbatches % stages == 0,
             "microbatches",
-            f"must be a multiple of the {stages} stages for --schedule interleaved, e.g. "
-            f"--microbatches {2 * stages}",
+            f"must be a multiple of the {stages} stages for --schedule interleaved, e.g. {eg}",
         )
         common.require(
             self.schedule == "gpipe" or self.microbatches >= stages,
             "microbatches",
-            f"must be at least the {stages} stages for --schedule {self.schedule}, e.g. "
-            f"--microbatches {2 * stages}",
+            f"must be at least the {stages} stages for --schedule {self.schedule}, e.g. {eg}",
         )
         common.require(
             not self.scan_layers,

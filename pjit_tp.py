@@ -106,6 +106,14 @@ class Config(common.Config):
         )
         # Every parameter in PARAM_SPECS: all the ones missing named at once, with their entries
         missing, whole = uncovered(self)
+        nameless = [f"{path} {shape}" for path, shape, spec in missing.values() if spec is None]
+        common.require(  # else P(), replicated, would be all the names could suggest
+            not nameless,
+            "model",
+            f"{self.model}: {', '.join(nameless[:3])}{', ...' * (len(nameless) > 3)} are in no "
+            "entry of pjit_tp.py's PARAM_SPECS and name no logical axes to suggest one from: "
+            "declare them with nnx.with_partitioning(init, names), e.g. ('embed', 'mlp')",
+        )
         names = ", ".join(f"{path} {shape}" for path, shape, _ in missing.values())
         common.require(
             not missing,
@@ -186,6 +194,7 @@ def uncovered(config):
                 if m and s % model and pattern not in found
             ]
             entry = f"P({', '.join(axes)})" if "'model'" in axes else "P()"
+            entry = entry if any(box.names) or not box.value.ndim else None  # no names: unknown
             found.setdefault(pattern, (re.sub(r"block_\d+", "block_N", path), shape, entry))
     return found, whole
 

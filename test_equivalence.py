@@ -51,6 +51,7 @@ from tests.harness import (
     LLAMA_SPECS,
     MODEL_GROUPS,
     PROCESSES,
+    ROOT,
     RTOL,
     SMALL,
     STRATEGIES,
@@ -494,12 +495,47 @@ DOCS = {"model": "tests.docs_model", "kv_heads": 2}
 
 @pytest.mark.parametrize("name", matrix(DENSE, ["fsdp", "pipeline_1f1b"]))
 def test_a_model_written_whole_matches(name, monkeypatch):
-    """tests/docs_model.py, cut at its blocks (common.whole), through every script and preset
-    (pjit_tp.py with the entries it suggests), against one device training it."""
+    """tests/docs_model.py, cut at its blocks (common.cut_at_blocks), through every script and
+    preset (pjit_tp.py with the entries it suggests), against one device training it."""
     missing, _ = pjit_tp.uncovered(pjit_tp.Config(**{**SMALL, **DOCS}))
     entries = tuple((pattern, eval(spec, {"P": P})) for pattern, (*_, spec) in missing.items())
     monkeypatch.setattr(pjit_tp, "PARAM_SPECS", entries + pjit_tp.PARAM_SPECS)
     compare(name, run_uncached(name, **DOCS), reference(**DOCS, **model_flags(name)), DOCS)
+
+
+# The same model with no axis names: the scripts that do not lay parameters out by name train it;
+# the ones that do (tensor parallelism's table, logical rules, explicit presets) say so in a line.
+UNNAMED = ["shardmap_dp", "fsdp", "pipeline_1f1b", "context_parallel", "pmap_dp", "hsdp"]
+
+
+def unnamed_model(folder):
+    """tests/docs_model.py with every nnx.with_partitioning taken out: its initializers bare."""
+    text = (ROOT / "tests" / "docs_model.py").read_text()
+    bare = re.sub(
+        r"nnx\.with_partitioning\((nnx\.initializers\.\w+\([^)]*\)), (?:\w+|\([^)]*\))\)",
+        r"\1",
+        text,
+    )
+    assert "with_partitioning" not in bare and bare.count("nnx.initializers.") == 3
+    (folder / "unnamed.py").write_text(bare)
+    return {"model": str(folder / "unnamed.py"), "kv_heads": 2}
+
+
+@pytest.mark.parametrize("name", matrix(UNNAMED, ["fsdp"]))
+def test_a_model_without_axis_names_trains_where_no_layout_reads_them(name, tmp_path):
+    flags = unnamed_model(tmp_path)
+    compare(name, run_uncached(name, **flags), reference(**flags, **model_flags(name)), flags)
+
+
+@pytest.mark.parametrize("name", ["pjit_tp", "logical_fsdp_tp", "explicit_fsdp_tp"])
+def test_a_layout_by_name_says_a_model_names_no_axes(name, tmp_path, capsys):
+    module, strategy_flags = STRATEGIES[name]
+    config = module.Config(**{**SMALL, **strategy_flags, **unnamed_model(tmp_path)})
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(config)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1, err
+    assert "nnx.with_partitioning" in err[0], err
 
 
 def test_dropless_trains_as_a_capacity_with_room_for_every_token():

@@ -1,8 +1,8 @@
 """tests/docs_model_as_written.py, the decoder as the Flax NNX guides write one, with the
 changes the scripts' model contract asks for: built as Model(config, hooks, rngs=rngs) from
 the scripts' flags, attention through hooks.attend and positions from hooks.positions (which
-context_parallel.py replaces). The scripts cut it at its blocks (common.whole). Train it with
-any script: python fsdp.py --model tests/docs_model.py --kv-heads 2"""
+context_parallel.py replaces). The scripts cut it at its blocks (common.cut_at_blocks). Train it
+with any script: python fsdp.py --model tests/docs_model.py --kv-heads 2"""
 
 import dataclasses
 

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import time
+import typing
 
 import jax
 import numpy as np
@@ -121,7 +122,7 @@ BAD_INPUTS = [
         "every device holds all 392 bytes of it",
     ),
     (
-        ["--mesh", "data=2,stage=4", "--layers", "3"],
+        ["--mesh", "data=2,stage=4", "--layers", "3", "--microbatches", "4"],
         ("pipeline",),
         "--layers 3 must split evenly over stage=4",
     ),
@@ -146,16 +147,28 @@ BAD_INPUTS = [
         ("pipeline",),
         "--microbatches must be at least the 4 stages for --schedule zero-bubble",
     ),
+    (
+        ["--mesh", "data=2,stage=4", "--layers", "4", "--batch-size", "20", "--microbatches", "8"],
+        ("pipeline",),
+        "--batch-size 20 must be divisible by 2 batch shards x 8 micro-batches, e.g. "
+        "--microbatches 5 (or --batch-size 16)",
+    ),
+    (
+        ["--d-model", "96", "--heads", "6", "--kv-heads", "3", "--mesh", "data=2,model=4"],
+        RULED,
+        "e.g. --heads 4 --kv-heads 4",
+    ),
     (["--schedule", "zigzag"], ("pipeline",), "argument --schedule: invalid choice: 'zigzag'"),
     (
-        ["--schedule", "interleaved", "--virtual-stages", "1"],
+        ["--schedule", "interleaved", "--virtual-stages", "1", "--layers", "2"],
         ("pipeline",),
         "--virtual-stages must be at least 2",
     ),
     # The automatic mesh is worked out during the shared checks, even with --mesh given: it
     # must survive what is refused next (before: ZeroDivisionError, max() of an empty sequence)
     (
-        ["--schedule", "interleaved", "--virtual-stages", "0", "--mesh", "data=4,stage=2"],
+        ["--schedule", "interleaved", "--virtual-stages", "0", "--mesh", "data=4,stage=2"]
+        + ["--layers", "4", "--microbatches", "2"],
         ("pipeline",),
         "--virtual-stages must be at least 2",
     ),
@@ -165,12 +178,13 @@ BAD_INPUTS = [
         "--layers 3 must split evenly over stage=1 x 2 groups, e.g. --layers 2",
     ),
     (
-        ["--virtual-stages", "3"],
+        ["--virtual-stages", "3", "--layers", "3"],
         ("pipeline",),
         "--virtual-stages is for --schedule interleaved only",
     ),
     (
-        ["--schedule", "interleaved", "--mesh", "data=2,stage=4", "--layers", "4"],
+        ["--schedule", "interleaved", "--mesh", "data=2,stage=4", "--layers", "4"]
+        + ["--microbatches", "4"],
         ("pipeline",),
         "--layers 4 must split evenly over stage=4 x 2 groups, e.g. --layers 8",
     ),
@@ -332,9 +346,10 @@ BAD_INPUTS = [
     [(script, flags, message) for flags, scripts, message in BAD_INPUTS for script in scripts],
     ids=[f"{script} {' '.join(flags)}" for flags, scripts, _ in BAD_INPUTS for script in scripts],
 )
-def test_bad_input_exits_2_with_one_line(script, flags, message, tmp_path, capsys):
+def test_bad_input_exits_2_with_one_line(script, flags, message, tmp_path, capsys, monkeypatch):
     """Each bad flag through the script's own command line and main(), in this process: exit 2,
-    one line on stderr naming the flag, nothing on stdout, nothing compiled."""
+    one line on stderr naming the flag, nothing on stdout, nothing compiled; its example, given
+    as well, passes every check."""
     (tmp_path / "FILE").write_text("")  # a file, under which nothing can be created
     (tmp_path / "FOLDER").mkdir()
     flags = [str(tmp_path / f) if f.startswith(("FILE", "FOLDER")) else f for f in flags]
@@ -351,10 +366,34 @@ def test_bad_input_exits_2_with_one_line(script, flags, message, tmp_path, capsy
     if "invalid" not in message and "unrecognized" not in message:
         assert "e.g." in err, err
         suggested = re.search(r"e\.g\. (--[\w-]+)", err).group(1)  # the example is a real flag
-        assert (
-            suggested.removeprefix("--").replace("-", "_") in module.Config.__dataclass_fields__
-        ), err
+        assert field(suggested) in module.Config.__dataclass_fields__, err
+        # and its flags, given too, pass every check (a suggestion that fails the next one sends
+        # the user round in circles); a cluster's start processes: tests/test_multi_process.py
+        given = example(module, err)
+        fixed = common.parse_config(module.Config, None, [*TINY, *flags, *given])
+        if given and fixed.num_processes == 1 and not fixed.coordinator_address:
+            monkeypatch.chdir(tmp_path)
+            common.setup(fixed)
+            assert capsys.readouterr().err == "", given
     assert len(COMPILATIONS) == compiled_before
+
+
+def field(flag: str) -> str:
+    """The Config field a flag sets: --kv-heads kv_heads, --no-remat remat."""
+    name = flag.removeprefix("--").replace("-", "_")
+    return name.removeprefix("no_") if name.startswith("no_") else name
+
+
+def example(module, err) -> list:
+    """The flags an error's example gives ("e.g. --heads 4 --kv-heads 4"), as a command line."""
+    words, argv = err.split("e.g. ", 1)[1].split(), []
+    hints = typing.get_type_hints(module.Config)
+    while words and words[0].startswith("--"):
+        name = words.pop(0).rstrip(",;")
+        argv.append(name)
+        if hints[field(name)] is not bool and words:
+            argv.append(words.pop(0).rstrip(",;)"))
+    return argv
 
 
 def test_an_axis_left_out_of_the_mesh_has_size_1():

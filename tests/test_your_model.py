@@ -20,7 +20,7 @@ from tools import hlo
 import pjit_tp
 from tests import docs_model, docs_model_as_written
 from tools import check
-from tests.harness import ROOT, SCRIPTS, SMALL, TINY, copy_alone, run_script, run_uncached
+from tests.harness import ROOT, as_flags, SCRIPTS, SMALL, TINY, copy_alone, run_script, run_uncached
 
 LLAMA = (ROOT / "tests" / "llama.py").read_text()
 
@@ -144,8 +144,8 @@ BREACHES = [
     (("class Head(nnx.Module)", "class Head"), "Head is no nnx.Module (linen's through nnx.bridge"),
     (
         ('out_sharding=("norm",)', ""),
-        "Block's parameter attn_norm/scale has no logical axis names: declare it with "
-        "nnx.with_partitioning",
+        "Block's parameter attn_norm/scale has no logical axis names, where Embed's parameter "
+        "token/embedding has: declare it with nnx.with_partitioning",
     ),
     (
         ('_init(("vocab", "embed"))', '_init(("vocab",))'),
@@ -203,6 +203,19 @@ def test_the_checker_passes_the_tests_models(capsys):
     for model in ("gpt", "tests.llama", "tests.tied_llama", "tests.nnx_llama", "tests.docs_model"):
         check.main([*TINY, "--model", model])
         assert capsys.readouterr().out.startswith(f"--model {model} keeps the scripts' contract\n")
+
+
+def test_the_checker_passes_a_model_that_names_no_axes(tmp_path, capsys):
+    """Axis names are asked for only where a layout reads them: tests/docs_model.py without them
+    keeps the contract, with a note of the scripts that will ask."""
+    from test_equivalence import unnamed_model
+
+    check.main([*TINY, *as_flags(unnamed_model(tmp_path))])
+    said = capsys.readouterr().out.splitlines()[0]
+    assert said.endswith(
+        "keeps the scripts' contract (it names no axes: pjit_tp.py, logical_pjit.py "
+        "and explicit_sharding.py, which lay parameters out by name, will ask for them)"
+    ), said
 
 
 @pytest.mark.parametrize(

@@ -70,11 +70,13 @@ def check_model_file(config: Config):
 
 def check_model(config: common.Config):
     """The model contract, checked piece by piece on shapes alone (nothing is computed or
-    compiled): ConfigError naming the piece or parameter that breaks it, and what to do."""
+    compiled): ConfigError naming the piece or parameter that breaks it, and what to do; else a
+    note if it names no axes."""
     pieces = common.model_pieces(config)
     tokens = jax.ShapeDtypeStruct((2, config.seq_len), jnp.int32)
     where = f"--model {config.model}:"
     contract = "(common.py's model contract; README: Your own model and data)"
+    named = {}  # the first parameter with logical axis names (True), and without (False)
 
     def build(name, piece, x):
         try:
@@ -88,12 +90,15 @@ def check_model(config: common.Config):
             ) from None
         for path, (shape, names) in _parameter_shapes(made.params).items():
             parameter = f"{PIECE[name]}'s parameter {path}"
-            if not names:
+            named.setdefault(bool(names), parameter)
+            if not names and True in named or names and False in named:  # some named, some not
                 raise ConfigError(
-                    f"{where} {parameter} has no logical axis names: declare it with "
-                    f"nnx.with_partitioning(init, names) or nnx.Param(value, out_sharding=names) "
-                    f"(linen: nn.with_logical_partitioning) {contract}"
+                    f"{where} {named[False]} has no logical axis names, where {named[True]} has: "
+                    "declare it with nnx.with_partitioning(init, names) or nnx.Param(value, "
+                    f"out_sharding=names) (linen: nn.with_logical_partitioning) {contract}"
                 )
+            if not names:
+                continue
             if len(names) != len(shape):
                 raise ConfigError(
                     f"{where} {parameter} has {len(shape)} axes but names {names}: one name per "
@@ -179,6 +184,8 @@ def check_model(config: common.Config):
                 f"{alone['embed'][path]}: a tied parameter has one shape and one set of axis "
                 f"names {contract}"
             )
+    unnamed = " (it names no axes: pjit_tp.py, logical_pjit.py and explicit_sharding.py, which lay"
+    return "" if True in named else f"{unnamed} parameters out by name, will ask for them)"
 
 
 PIECE = {"embed": "Embed", "block": "Block", "head": "Head"}
@@ -337,11 +344,11 @@ def main(argv=None):
         common.start_devices(config)
         config.validate()
         check_model_file(config)
-        check_model(config)
+        note = check_model(config)
         data = check_dataset(config)
     except ConfigError as error:
         common.exit_bad_input(str(error))
-    print(f"--model {config.model} keeps the scripts' contract")
+    print(f"--model {config.model} keeps the scripts' contract{note}")
     print(f"--dataset {config.dataset} keeps it too: {data}")
 
 
