@@ -361,8 +361,8 @@ def cut_at_blocks(model_class) -> Pieces:
             tokens, reached = x.ndim == 2, []
 
             def blocks(y, *_):  # where the blocks ran: Embed keeps their input, Head gives x
-                reached.append(y)
-                return y if tokens else x
+                reached.append(y)  # (Embed's head runs on zeros laid out anew: no layout's)
+                return jnp.zeros(y.shape, y.dtype) if tokens else x
 
             self.blocks = [blocks]
             try:
@@ -1023,6 +1023,7 @@ def make_model(config: TrainingConfig, wrap: Callable | None = None, hooks=Hooks
 class Axes(typing.NamedTuple):
     value: Any  # the parameter's shape and dtype
     names: tuple  # its axes' logical names (None: unnamed)
+    declared: bool = True  # whether the model names them (all None if not)
 
 
 @functools.cache  # one per config: the scripts' checks read it several times
@@ -1037,9 +1038,9 @@ def logical_names(config: TrainingConfig) -> list:
     shapes = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
     for path, x in flatten_dict(shapes).items():
         scanned = path[0] == "blocks"  # [layers, ...]
-        axes = names["block" if path[0].startswith("block") else path[0], *path[1:]]
-        axes = ("layers",) * scanned + tuple(axes or (None,) * (x.ndim - scanned))
-        found.append(("/".join(path), Axes(x, axes)))
+        declared = names["block" if path[0].startswith("block") else path[0], *path[1:]]
+        axes = ("layers",) * scanned + tuple(declared or (None,) * (x.ndim - scanned))
+        found.append(("/".join(path), Axes(x, axes, declared is not None or not x.ndim)))
     return found
 
 
@@ -1735,12 +1736,12 @@ class Logger:
         routed += "{expert_tokens_max:.0f}, {dropped_share:.1%} dropped | "
         routed = routed.format(**record) if self.router else ""
         eta, steps = seconds * (self.config.steps - step - 1), self.config.steps
+        self.write(record)
         log_print(
             f"step {step + 1:>{len(str(steps))}}/{steps} | loss {loss:.4f} | grad norm "
             f"{record['grad_norm']:.3f} | {routed}{self.tokens / seconds:,.0f} tokens/s | ETA "
             f"{eta // 60:.0f}:{eta % 60:02.0f}"
         )
-        self.write(record)
 
     def eval_due(self, step: int) -> bool:
         return bool(self.config.eval_every) and (step + 1) % self.config.eval_every == 0

@@ -133,7 +133,7 @@ class Config(common.Config):
         )
         # Every parameter names its axes: the rules lay out by name (unnamed, it would replicate)
         boxes = common.logical_names(self)
-        nameless = [f"{path} {box.value.shape}" for path, box in boxes if not any(box.names)]
+        nameless = [f"{path} {box.value.shape}" for path, box in boxes if not box.declared]
         common.require(
             not nameless,
             "model",

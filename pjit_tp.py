@@ -194,7 +194,7 @@ def uncovered(config):
                 if m and s % model and pattern not in found
             ]
             entry = f"P({', '.join(axes)})" if "'model'" in axes else "P()"
-            entry = entry if any(box.names) or not box.value.ndim else None  # no names: unknown
+            entry = entry if box.declared else None  # no names: no entry to suggest
             found.setdefault(pattern, (re.sub(r"block_\d+", "block_N", path), shape, entry))
     return found, whole
 
