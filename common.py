@@ -81,7 +81,7 @@ class TrainingConfig:
     clip_norm: float = arg(1.0, "clip the gradient to this global norm (0: never)", min=0)
     seed: int = arg(0, "seed of the parameters, the dropout masks and the batches", min=0)
     dtype: str = arg("float32", "compute dtype; parameters stay float32", choices=DTYPES)
-    attention: str = arg("auto", "cudnn (GPU), splash (TPU), xla or auto", choices=ATTENTION)
+    attention: str = arg("auto", "auto: splash on TPU, cudnn on GPU, else xla", choices=ATTENTION)
     vocab_size: int = arg(256, "tokens: 50304 as GPT-2; text is read as bytes: 256", min=8)
     model: str = arg("gpt", "gpt, or a file or module of yours: Embed, Block, Head, or a Model")
     tie_embeddings: bool = arg(False, "the GPT's head reads the token embedding's table")
@@ -1375,7 +1375,7 @@ def start_devices(config: Config):
         name = f"--xla_cpu_collective_call_{name}_timeout_seconds"
         flags += f" {name}={seconds}" * (name not in flags)
     os.environ["XLA_FLAGS"] = flags.strip()  # read as JAX starts a backend
-    # XLA:CPU's threads: with fewer than 2 a device a collective can hang (tools/cpu_deadlock.py)
+    # XLA:CPU's threads: with fewer than 2 a device a collective can hang (dev/cpu_deadlock.py)
     os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, 2 * config.cpu_devices)))
     with contextlib.suppress(RuntimeError):  # JAX already started (tests call main() often)
         jax.config.update("jax_num_cpu_devices", config.cpu_devices)

@@ -23,7 +23,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="jax-
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
-# Every compared run notes its flags here (tests/harness.py's record_flags; tools/flags.py).
+# Every compared run notes its flags here (tests/harness.py's record_flags; dev/flags.py).
 os.environ.setdefault("FLAGS_RECORD", tempfile.mkdtemp(prefix="flags-"))
 
 import jax  # noqa: E402
@@ -57,11 +57,11 @@ def pytest_runtest_logreport(report):
 
 def pytest_sessionfinish(session):
     """docs/flags.md names tests that set each flag in a compared run: every one that passed
-    here must have (tools/flags.py --write makes the table anew)."""
+    here must have (dev/flags.py --write makes the table anew)."""
     if os.environ.get("PYTEST_XDIST_WORKER") or not PASSED:
         return
-    from tools import flags
+    from dev import flags
 
     if stale := flags.stale(os.environ["FLAGS_RECORD"], PASSED):
-        print("\ndocs/flags.md is out of date (python tools/flags.py):\n" + "\n".join(stale))
+        print("\ndocs/flags.md is out of date (python dev/flags.py):\n" + "\n".join(stale))
         session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -93,6 +93,13 @@ class Config(common.Config):
         """Groups of layers per stage: --virtual-stages when interleaved, else one."""
         return self.virtual_stages if self.schedule == "interleaved" else 1
 
+    def takes(self, microbatches, stages):
+        """Whether the schedule runs this many micro-batches: gpipe any, the others at least one
+        a stage, interleaved a multiple of the stages."""
+        if self.schedule == "interleaved":
+            return microbatches % stages == 0
+        return self.schedule == "gpipe" or microbatches >= stages
+
     def mesh_axes(self):
         # 'auto' even for flags that validate() refuses next (--virtual-stages 0, --layers 3)
         n, groups = jax.device_count(), max(1, self.virtual())
@@ -103,8 +110,7 @@ class Config(common.Config):
                 if n % s == 0
                 and self.layers % (s * groups) == 0
                 and s <= max(1, n // 2)
-                and (self.schedule == "gpipe" or self.microbatches >= s)
-                and (self.schedule != "interleaved" or self.microbatches % s == 0)
+                and self.takes(self.microbatches, s)
             ),
             default=1,
         )
@@ -133,13 +139,11 @@ class Config(common.Config):
             + (f" x {groups} groups" if groups > 1 else "")
             + f", e.g. --layers {stages * groups * max(1, self.layers // (stages * groups))}",
         )
-        data, schedule = self.mesh_axes()["data"], self.schedule
+        data = self.mesh_axes()["data"]
         fits = [  # micro-batch counts this batch splits into, which the schedule takes
             m
             for m in range(1, self.batch_size // data + 1)
-            if self.batch_size % (data * m) == 0
-            and (schedule == "gpipe" or m >= stages)
-            and (schedule != "interleaved" or m % stages == 0)
+            if self.batch_size % (data * m) == 0 and self.takes(m, stages)
         ]
         m = max([m for m in fits if m <= self.microbatches] or fits[:1] or [0])
         common.require(  # else the shared check below suggests a --batch-size
@@ -151,15 +155,11 @@ class Config(common.Config):
         )
         super().validate()
         eg = f"--microbatches {m}" if m else f"--microbatches {stages} --batch-size {data * stages}"
+        rule = "a multiple of" if self.schedule == "interleaved" else "at least"
         common.require(
-            self.schedule != "interleaved" or self.microbatches % stages == 0,
+            self.takes(self.microbatches, stages),
             "microbatches",
-            f"must be a multiple of the {stages} stages for --schedule interleaved, e.g. {eg}",
-        )
-        common.require(
-            self.schedule == "gpipe" or self.microbatches >= stages,
-            "microbatches",
-            f"must be at least the {stages} stages for --schedule {self.schedule}, e.g. {eg}",
+            f"must be {rule} the {stages} stages for --schedule {self.schedule}, e.g. {eg}",
         )
         common.require(
             not self.scan_layers,

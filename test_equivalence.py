@@ -218,7 +218,7 @@ def compare(
     run added to it."""
     flags = flags or {}
     label = " ".join([name, *as_flags(flags)])
-    if name in STRATEGIES:  # (tools/three_ways.py's manual_fsdp_tp is no script)
+    if name in STRATEGIES:  # (dev/three_ways.py's manual_fsdp_tp is no script)
         record_flags(STRATEGIES[name][0], result.config)
     loss_diff, norm_diff = (
         relative(result.losses, ref.losses),
@@ -288,11 +288,11 @@ def compare(
 
 
 def record_parity(name, flags, measured, bounds, what):
-    """For tools/parity.py, which writes docs/parity.md from what the tests measure: with
+    """For dev/parity.py, which writes docs/checks.md from what the tests measure: with
     PARITY_RECORD set, one JSON line per comparison appended to that file (one per test worker):
     the loss's, gradient norm's and parameters' relative differences, and the largest element's."""
     path = os.environ.get("PARITY_RECORD")
-    if not path or name not in STRATEGIES:  # tools/three_ways.py's manual_fsdp_tp: not a script
+    if not path or name not in STRATEGIES:  # dev/three_ways.py's manual_fsdp_tp: not a script
         return
     test = os.environ["PYTEST_CURRENT_TEST"].split("::")[-1].split("[")[0].split(" ")[0]
     record = {"test": test, "strategy": name, "flags": flags, "measured": measured}
@@ -321,10 +321,10 @@ def compare_routing(name, mine, ref):
 
 
 # Every strategy in every `pytest`, but for explicit_sharding.py's presets other than its
-# default: the same layouts as logical_pjit.py's, which run here (the rest with -m full).
-EVERY_LAYOUT = [name for name in STRATEGIES if not name.startswith("explicit_")] + [
-    DEFAULTS["explicit_sharding"]
-]
+# default (the same layouts as logical_pjit.py's, which run here) and expert_parallel.py's second
+# mesh (expert=8, its code the same as expert=4's): the rest with -m full.
+EVERY_LAYOUT = [n for n in STRATEGIES if not n.startswith("explicit_") and n != "expert_parallel_8"]
+EVERY_LAYOUT += [DEFAULTS["explicit_sharding"]]
 
 
 @pytest.mark.parametrize("name", matrix(list(STRATEGIES), EVERY_LAYOUT))
@@ -338,12 +338,11 @@ def test_matches_single_device_reference(name):
 DENSE = [name for name in STRATEGIES if not name.startswith("expert")]
 
 
-# Every pytest: the scripts whose code the mixture reaches (its experts split over 'model' by
-# the logical rules, its statistics summed over a pipeline's stages, its whole sequence gathered
-# from context_parallel.py's pieces); expert_parallel.py trains it in every test. -m full: all.
-@pytest.mark.parametrize(
-    "name", matrix(DENSE, ["logical_fsdp_tp", "pipeline_1f1b", "context_parallel"])
-)
+# Every pytest: the scripts whose own code the mixture reaches (its statistics summed over a
+# pipeline's stages, its whole sequence gathered from context_parallel.py's pieces);
+# expert_parallel.py trains it in every test. -m full: all (the experts split over 'model' by
+# the logical rules among them).
+@pytest.mark.parametrize("name", matrix(DENSE, ["pipeline_1f1b", "context_parallel"]))
 def test_a_mixture_of_experts_matches(name):
     """Every other strategy trains the mixture of experts too (its expert weights split as any
     parameter of theirs), and routes it as one device does."""
@@ -351,13 +350,13 @@ def test_a_mixture_of_experts_matches(name):
 
 
 # Dropless experts by megablox's grouped matmul, the kernel a TPU runs (kernels.py, interpreted
-# here): every pytest in expert_parallel.py's shard_map body, each device its own experts, and
-# under explicit_sharding.py's types; -m full every other strategy.
+# here): every pytest in expert_parallel.py's shard_map body, each device its own experts; -m full
+# every other strategy (explicit_sharding.py's types among them: 58 s of CI's 15 minutes).
 GMM = ["expert_parallel", "expert_parallel_8", "pmap_dp", "shardmap_dp", "fsdp", "pipeline_1f1b"]
 GMM += ["context_parallel", "pjit_tp", "logical_fsdp_tp", "explicit_fsdp_tp", "explicit_tp_sp"]
 
 
-@pytest.mark.parametrize("name", matrix(GMM, ["expert_parallel", "explicit_fsdp_tp"]))
+@pytest.mark.parametrize("name", matrix(GMM, ["expert_parallel"]))
 def test_the_tpus_grouped_matmul_matches(name, monkeypatch):
     """Each strategy with the grouped matmul a TPU runs, against one device with XLA's."""
     ref = reference(**{**MOE, **model_flags(name)})
@@ -399,6 +398,9 @@ def test_the_tpus_ragged_all_to_all_matches(name, monkeypatch):
     compare(name, run_uncached(name, **MOE), ref, MOE)
 
 
+# -m full (33 s): every pytest checks the suggestions' text (tests/test_your_model.py) and trains
+# tests/llama.py under pjit_tp.py's table against one device (test_the_sequence_splits_...).
+@pytest.mark.full
 def test_pjit_tp_s_suggested_entries_train_a_new_model_and_match(monkeypatch):
     """pjit_tp.py names every parameter its table misses, with the entries their logical names
     suggest (tests/test_your_model.py checks the message); pasted, they train tests/llama.py as
@@ -436,7 +438,9 @@ SPLASH = {"attention": "splash", "seq_len": 128}
 SPLASHED = [name for name in STRATEGIES if name not in ("context_parallel", "context_all_gather")]
 
 
-@pytest.mark.parametrize("name", matrix(SPLASHED, ["fsdp", "explicit_fsdp_tp"]))
+# Every pytest: fsdp.py (the kernel inside shard_map); -m full: every strategy
+# (explicit_sharding.py's types among them).
+@pytest.mark.parametrize("name", matrix(SPLASHED, ["fsdp"]))
 def test_splash_attention_matches(name):
     """Each strategy with the splash kernel against one device with XLA's attention."""
     xla = {**SPLASH, "attention": "xla"}
@@ -459,11 +463,11 @@ TIED = {"gpt": {"tie_embeddings": True}, "llama": {"model": "tests.tied_llama"}}
 
 
 # Every pytest puts tying through the code it reaches: the tied GPT gathered once per use
-# (fsdp.py) and read through explicit_sharding.py's wrapped tables, the tied Llama on the
-# pipeline's first and last stages (the split along the vocabulary:
-# test_vocabulary_is_split_over_model). -m full: both models under every strategy.
+# (fsdp.py), the tied Llama on the pipeline's first and last stages (the split along the
+# vocabulary: test_vocabulary_is_split_over_model). -m full: both models under every strategy
+# (explicit_sharding.py's wrapped tables among them).
 TIED_CASES = [(name, "gpt") for name in STRATEGIES] + [(name, "llama") for name in DENSE]
-TIED_DEFAULT = [("fsdp", "gpt"), ("explicit_fsdp_tp", "gpt"), ("pipeline_1f1b", "llama")]
+TIED_DEFAULT = [("fsdp", "gpt"), ("pipeline_1f1b", "llama")]
 
 
 @pytest.mark.parametrize("name, model", matrix(TIED_CASES, TIED_DEFAULT))
@@ -554,9 +558,10 @@ def test_dropless_trains_as_a_capacity_with_room_for_every_token():
     compare_routing("dropless", dropless.router, capacity.router)
 
 
-@pytest.mark.parametrize(
-    "name", matrix(["expert_parallel", "context_parallel"], ["expert_parallel"])
-)
+# -m full (21 s): every pytest routes with capacity through expert_parallel.py's all-to-alls
+# (test_expert_parallel_splits_experts_and_sends_tokens_to_them) and by GShard's order
+# (tests/test_experts.py).
+@pytest.mark.parametrize("name", matrix(["expert_parallel", "context_parallel"], []))
 def test_the_same_tokens_are_dropped(name):
     """With capacity for half the tokens, about half the choices are dropped: the same ones as on
     one device, where each device holds some of a sequence's tokens (context_parallel.py) or
@@ -569,10 +574,10 @@ def test_the_same_tokens_are_dropped(name):
     compare(name, run(name, **flags), ref, flags)
 
 
-# Micro-batches are common.accumulate_gradients in every script but pipeline.py (its schedule):
-# one script per way of splitting the rows (by hand in shard_map, by the compiler's shardings),
-# (context_parallel.py's pieces of a sequence, expert_parallel.py's experts with -m full).
-MICRO = ["shardmap_dp", "pjit_tp", "pipeline_1f1b"]
+# Micro-batches are common.accumulate_gradients in every script but pipeline.py (its schedule,
+# which every pipeline run compared with one device runs): one script per way of splitting the
+# rows (by hand in shard_map, by the compiler's shardings); the others with -m full.
+MICRO = ["shardmap_dp", "pjit_tp"]
 
 
 @pytest.mark.parametrize("name", matrix(list(DEFAULTS.values()), MICRO))
@@ -600,11 +605,11 @@ def test_remat_matches(name):
     compare(name, run(name, remat=True), reference(), {"remat": True})
 
 
-# Every pytest: the scripts that add up the norm of a split gradient by hand (fsdp.py and
-# HSDP, pipeline.py's stages, expert_parallel.py's experts), and one of
-# each other way: whole on every device (shardmap_dp.py), from the compiler's shardings
-# (pjit_tp.py; logical_pjit.py and explicit_sharding.py alike). -m full: every strategy.
-CLIPPED = ["shardmap_dp", "fsdp", "hsdp", "pjit_tp", "pipeline_1f1b", "expert_parallel"]
+# Every pytest: the norm added up by hand from a split gradient (fsdp.py), and whole on every
+# device (shardmap_dp.py). Every run compared with one device compares its gradient norm at every
+# step, so the other scripts' norms are held there; what clipping adds is common.clip, the same
+# in all. -m full: every strategy.
+CLIPPED = ["shardmap_dp", "fsdp"]
 
 
 @pytest.mark.parametrize("name", matrix(list(STRATEGIES), CLIPPED))
@@ -711,7 +716,7 @@ LONG_FLAGS = {"microbatches": 2, "clip_norm": 0.05, "steps": 10}
     "name, model",
     matrix(
         [(name, model) for name in LONG for model in OTHER_MODELS],
-        [("context_ulysses", "moe"), ("pjit_tp_sp", "llama")],
+        [("pjit_tp_sp", "llama")],
     ),
 )
 def test_the_sequence_splits_train_every_model(name, model, monkeypatch):
@@ -753,7 +758,7 @@ def test_the_sequence_splits_match_in_bfloat16(name):
 # tie to within bfloat16's rounding may go to the other one. Measured the same way
 # (expert_parallel on both meshes): 6.6e-5, 1.9e-3, 8.4e-2 and 0.28; the reference with
 # --microbatches 2 6.6e-5, 2.5e-3, 9.0e-2 and 0.28, and float32 1.1e-4, 4.3e-3, 0.15 and 0.48.
-# Through every other strategy (the parity matrix, docs/parity.md) the mixture of experts moves
+# Through every other strategy (the parity matrix, docs/checks.md) the mixture of experts moves
 # further where its experts' matmuls are split over 'model' (logical_tp and logical_fsdp_tp:
 # 5.6e-5, 8.8e-3, 0.17 and 0.64) and on the interleaved pipeline's 4 layers (gradient norm
 # 1.0e-2): the bounds were about 1.5 times those. The tests' mixture now also has a shared
@@ -774,12 +779,10 @@ BF16_LARGEST, BF16_MOE_LARGEST = 0.15, 0.9  # any element, of its parameter's la
 BF16_FROM_FLOAT32 = 1e-5
 
 
-# Every pytest: one script of each way to split a step (by hand, by the compiler, in stages, along
-# the sequence), the mixture of experts in bfloat16 through expert_parallel.py with -m full.
-@pytest.mark.parametrize(
-    "name",
-    matrix(list(STRATEGIES), ["shardmap_dp", "pjit_tp", "pipeline_1f1b", "context_parallel"]),
-)
+# Every pytest: by hand and by the compiler; in stages, along the sequence and the mixture of
+# experts through expert_parallel.py with -m full (the sequence's splits in bfloat16 in every
+# pytest: test_the_sequence_splits_match_in_bfloat16).
+@pytest.mark.parametrize("name", matrix(list(STRATEGIES), ["shardmap_dp", "pjit_tp"]))
 def test_bfloat16_matches(name):
     """Every strategy in bfloat16 against one device in bfloat16. A mixture of experts' routing
     is not compared token for token: in bfloat16 two experts' router scores can tie to within
@@ -789,7 +792,7 @@ def test_bfloat16_matches(name):
     bfloat16_matches(name, run(name, **BF16), {})
 
 
-# The other models of the parity matrix (docs/parity.md) in bfloat16, through every script and
+# The other models of the parity matrix (docs/checks.md) in bfloat16, through every script and
 # preset that trains any model: the mixture of experts and tests/llama.py (OTHER_MODELS).
 
 
@@ -1795,7 +1798,7 @@ def test_logical_rules_decide_the_layout(rules, fc1_shard, collective):
 
 # Each script with its default flags; with -m full, the pipeline's other schedules too.
 def test_one_layout_written_by_hand_matches():
-    """FSDP+TP by hand (tools/three_ways.py's manual_step: shard_map, Megatron's operators and
+    """FSDP+TP by hand (dev/three_ways.py's manual_step: shard_map, Megatron's operators and
     FSDP's gathers written out) trains what one device trains, in the layout logical_pjit.py's
     fsdp_tp states, with the collectives that layout predicts and no other: per micro-batch an
     all-gather over 'data' of each of the P parameters split over 'data' and a reduce-scatter of
@@ -1803,7 +1806,7 @@ def test_one_layout_written_by_hand_matches():
     and fc2) and 2 backward (the input gradients of qkv and fc1), plus 1 after the embedding
     lookup and 1 of the head's input gradient: 4 x layers + 2; 1 all-gather over 'model' of the
     logits. (The other two ways, logical_fsdp_tp and explicit_fsdp_tp, are strategies above.)"""
-    from tools import three_ways
+    from dev import three_ways
 
     config = logical_pjit.Config(**{**SMALL, "rules": "fsdp_tp"})
     result = three_ways.main(config)
@@ -1834,10 +1837,10 @@ SEVERAL = list(DEFAULTS.values()) + [
 ]
 
 
-# Every pytest: one script of each way to place a batch (pmap's stack, shard_map's, the
-# compiler's shardings, a sequence's pieces; pipeline.py's as shard_map's); fsdp.py's resume on
-# two processes in tests/test_checkpoints.py.
-TWO_PROCESSES = ["pmap_dp", "shardmap_dp", "pjit_tp", "context_parallel"]
+# Every pytest: pmap's stack and shard_map's (pipeline.py's and a sequence's pieces the same);
+# fsdp.py's resume on two processes in tests/test_checkpoints.py. -m full: every script (the
+# compiler's shardings, pjit_tp.py's, among them).
+TWO_PROCESSES = ["pmap_dp", "shardmap_dp"]
 
 
 @pytest.mark.parametrize("name", matrix(SEVERAL, TWO_PROCESSES))

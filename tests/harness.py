@@ -177,7 +177,7 @@ def changed_flags(module, config) -> list:
 
 def record_flags(module, config, argv=None):
     """Note that the running test compares a run of `module` with this config (or command line,
-    `argv`): one JSON line per run in $FLAGS_RECORD (conftest.py), read by tools/flags.py."""
+    `argv`): one JSON line per run in $FLAGS_RECORD (conftest.py), read by dev/flags.py."""
     folder = os.environ.get("FLAGS_RECORD")
     if argv is not None:
         config = common.parse_config(module.Config, None, [str(a) for a in argv])

@@ -66,6 +66,7 @@ def test_resume_is_exact_in_the_same_script(name, tmp_path):
     assert steps_in(tmp_path) == [10, 20]
 
 
+# Every pytest: fsdp.py's blocks one by one read into pipeline.py's stages; -m full: every pair.
 PAIRS = [
     ("pmap_dp", "fsdp"),  # one copy per device -> one copy split over all
     ("fsdp", "pipeline_1f1b"),  # blocks one by one -> stacked by stage
@@ -103,7 +104,7 @@ def balance_biases(result):
     }
 
 
-@pytest.mark.parametrize("writer, reader", matrix(PAIRS, PAIRS[:3]))
+@pytest.mark.parametrize("writer, reader", matrix(PAIRS, PAIRS[1:2]))
 def test_another_script_resumes(writer, reader, tmp_path):
     flags = model_flags(writer)
     resumed = check_resumes(writer, reader, flags, tmp_path, run(reader, **flags))

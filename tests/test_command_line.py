@@ -411,9 +411,9 @@ def test_an_axis_left_out_of_the_mesh_has_size_1():
 
 # Each way of drawing dropout's random bits once: the compiler splitting one draw over the
 # devices (pjit_tp.py; logical_pjit.py the same), a device's index folded in by hand
-# (context_parallel.py; shardmap_dp.py, fsdp.py and expert_parallel.py the same), pmap_dp.py's
+# (shardmap_dp.py; fsdp.py, context_parallel.py and expert_parallel.py the same), pmap_dp.py's
 # and pipeline.py's own.
-BITWISE = ["pjit_tp", "context_parallel", "pmap_dp", "pipeline_1f1b"]
+BITWISE = ["pjit_tp", "shardmap_dp", "pmap_dp", "pipeline_1f1b"]
 
 
 @pytest.mark.parametrize("name", matrix(list(DEFAULTS.values()), BITWISE))
@@ -547,14 +547,14 @@ def test_profile_writes_a_trace(tmp_path):
 
 
 def test_devices_far_behind_the_host_do_not_deadlock():
-    """tools/cpu_deadlock.py runs 300 programs with an all-gather over 4 emulated devices, none
+    """dev/cpu_deadlock.py runs 300 programs with an all-gather over 4 emulated devices, none
     waited for. With XLA's own thread pool on this 2-core machine (4 threads: one per device) it
     hangs for good in its first all-gather; with the scripts' 2 x devices (common.py,
     start_devices) it finishes in under a second."""
     # As a user's shell: none set
     env = {key: value for key, value in os.environ.items() if key != "PJRT_NPROC"}
     done = subprocess.run(
-        [sys.executable, str(ROOT / "tools" / "cpu_deadlock.py"), "--devices", "4"],
+        [sys.executable, str(ROOT / "dev" / "cpu_deadlock.py"), "--devices", "4"],
         env=env,
         capture_output=True,
         text=True,

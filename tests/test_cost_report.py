@@ -586,11 +586,11 @@ def test_context_parallel_activation_memory(length):
 
 @pytest.mark.parametrize("split", ["ring", "all-gather", "ulysses"])
 def test_each_attention_split_sends_what_its_formula_says(split):
-    """context_parallel.py's three forms at 1,024 positions on context=8 (tools/long_sequences.py,
+    """context_parallel.py's three forms at 1,024 positions on context=8 (dev/long_sequences.py,
     docs/long_sequences.md's table): the bytes a device sends per layer, as a ring sends them,
     are 4 (N - 1) blocks of keys for the ring and all-gather, 8 (N - 1) / N for Ulysses; the
     ring's temporaries are the least."""
-    from tools import long_sequences
+    from dev import long_sequences
 
     block = 1024 // 8 * long_sequences.HEADS * long_sequences.HEAD_DIM * 4
     sent, temporaries = long_sequences.attention_cost(split, 1024)

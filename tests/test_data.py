@@ -69,7 +69,7 @@ def test_compiled_walk_makes_the_python_loops_batches(vocab):
 
 def test_the_compiled_walk_is_many_times_faster():
     """Issue 25: 8 x 1,024 tokens took 10 ms in the Python loop, longer than a step on an
-    accelerator; compiled, 0.7 ms (the absolute figure: python tools/host_time.py). Here the
+    accelerator; compiled, 0.7 ms (the absolute figure: python dev/host_time.py). Here the
     ratio of the CPU time each takes (the least of 10 batches, after compilation): a busy
     machine delays the wall clock of a short call (a median ratio of 1.5 seen), not its work."""
     data = common.SyntheticData(seed=0, seq_len=1024)

@@ -22,9 +22,9 @@ BRANCHES = {
 def test_readme_transitions_match_the_scripts():
     """docs/transitions.md's diff excerpts, one per neighbouring pair (the chain from pmap_dp.py
     to logical_pjit.py, and the branches from shardmap_dp.py and pjit_tp.py), are what
-    tools/transitions.py makes from the scripts today; README.md has a paragraph for each."""
+    dev/transitions.py makes from the scripts today; README.md has a paragraph for each."""
     done = subprocess.run(
-        [sys.executable, ROOT / "tools" / "transitions.py", "--check"],
+        [sys.executable, ROOT / "dev" / "transitions.py", "--check"],
         capture_output=True,
         text=True,
     )
@@ -43,9 +43,9 @@ def test_readme_transitions_match_the_scripts():
 def test_the_schedules_shown_are_pipeline_pys():
     """docs/strategies.md's picture of the pipeline schedules is what pipeline.py's
     --show-schedule prints, and README.md's table of them is what their tables say: both are
-    what tools/schedules.py makes today."""
+    what dev/schedules.py makes today."""
     done = subprocess.run(
-        [sys.executable, ROOT / "tools" / "schedules.py", "--check"], capture_output=True, text=True
+        [sys.executable, ROOT / "dev" / "schedules.py", "--check"], capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr
     for kind in pipeline.SCHEDULES:
@@ -176,9 +176,9 @@ STRUCTURE = [
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import benchmark  # noqa: E402
 
-# Three rows in every pytest (FSDP by hand, the compiler's 2-D sharding, a pipeline), every row
-# with -m full: each row compiles the default model.
-TABLE_ROWS = ["fsdp", "logical fsdp_tp", "pipeline 1f1b"]
+# One row in every pytest (FSDP by hand), every row with -m full: each row compiles the default
+# model.
+TABLE_ROWS = ["fsdp"]
 
 
 @pytest.mark.parametrize("strategy", matrix(list(benchmark.STRATEGIES), TABLE_ROWS))
@@ -213,14 +213,14 @@ def test_the_benchmark_table_is_what_the_scripts_compile(strategy):
 
 
 def test_the_mutation_table_is_the_catalogues():
-    """docs/mutations.md's table has a row for each bug of tools/mutations.py, in order, each
-    caught: the table tools/mutations.py --write made from the catalogue as it is today (the run
+    """docs/checks.md's table has a row for each bug of dev/mutations.py, in order, each
+    caught: the table dev/mutations.py --write made from the catalogue as it is today (the run
     itself is not a test: about 11 minutes); and each bug's edit still finds its text, once, in
     the code as it is."""
-    sys.path.insert(0, str(ROOT / "tools"))
+    sys.path.insert(0, str(ROOT / "dev"))
     import mutations
 
-    text = (ROOT / "docs" / "mutations.md").read_text()
+    text = (ROOT / "docs" / "checks.md").read_text()
     rows = re.findall(r"^\| (\d+) \| `([\w./]+)` \| (.+?) \| `(\S+)` \|", text, re.MULTILINE)
     assert [(int(i), file, what) for i, file, what, _ in rows] == [
         (i, bug.file, bug.what) for i, bug in enumerate(mutations.BUGS, 1)
@@ -231,12 +231,12 @@ def test_the_mutation_table_is_the_catalogues():
 
 
 def test_the_parity_matrix_is_the_tests():
-    """docs/parity.md has a row for every strategy and model the tests train, with the bounds
-    the tests hold them to, and every figure within its bound (tools/parity.py --write measures
+    """docs/checks.md has a row for every strategy and model the tests train, with the bounds
+    the tests hold them to, and every figure within its bound (dev/parity.py --write measures
     them: about 15 minutes, not a test)."""
     import test_equivalence as eq
 
-    text = (ROOT / "docs" / "parity.md").read_text()
+    text = (ROOT / "docs" / "checks.md").read_text()
     rows = re.findall(r"^\| `([\w-]+)` \| ([^|]+) \| (.+) \|$", text, re.MULTILINE)
     names = {"GPT": "gpt", "GPT, 8 experts": "moe", "tests/llama.py": "llama"}
     found = [(strategy, names[model.strip()]) for strategy, model, _ in rows]
@@ -263,9 +263,9 @@ def test_the_parity_matrix_is_the_tests():
 
 def test_the_three_ways_table_is_the_code():
     """docs/three_ways.md has a row for each of the three ways, and its count of the lines that
-    state the layout is the code's today (tools/three_ways.py --write measures the rest: about a
+    state the layout is the code's today (dev/three_ways.py --write measures the rest: about a
     minute, not a test)."""
-    from tools import three_ways
+    from dev import three_ways
 
     text = (ROOT / "docs" / "three_ways.md").read_text()
     rows = re.findall(r"^\| (\w+) \| .* \| (\d+) \|$", text, re.MULTILINE)

@@ -15,7 +15,7 @@ from flax import nnx
 import common
 from tools import hlo
 from tests.harness import MOE, SMALL, TINY, run_script
-from tools import routing_cost
+from dev import routing_cost
 
 
 def functional(make):
@@ -132,7 +132,7 @@ def test_dropless_routing_grows_with_the_tokens_and_capacity_with_their_square()
     """Routing alone (the experts skipped), forward and backward, compiled: 4 x the tokens
     costs dropless routing about 4 x the temporaries and FLOPs (a sort, gathers), and one-hot
     dispatch about 16 x (its buffers are length x capacity, the capacity a share of the
-    length). tools/routing_cost.py prints the figures."""
+    length). dev/routing_cost.py prints the figures."""
     short, long = (
         {factor: routing_cost.cost(length, factor, routing_only=True) for factor in (0.0, 2.0)}
         for length in (256, 1024)

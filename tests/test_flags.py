@@ -1,12 +1,12 @@
 """Every flag is set away from its default in some compared run: a run compared with one device,
 with a definition written in a test, or with a formula. A flag no such run sets guards code that
 could be wrong in any way, and nothing would notice. docs/flags.md's table says which tests set
-each flag (tools/flags.py writes it from what every compared run records); conftest.py checks,
+each flag (dev/flags.py writes it from what every compared run records); conftest.py checks,
 after the tests, that those of its examples that ran still do."""
 
 import dataclasses
 
-from tools import flags
+from dev import flags
 
 
 def test_every_flag_is_set_by_a_compared_run():

@@ -171,8 +171,8 @@ def test_interleaving_divides_the_bubbles_time_by_the_groups():
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["one block", "two blocks"])
 def costs(request):
-    """tools/schedules.py's op costs, by XLA's cost analysis, for one and two blocks a stage."""
-    from tools import schedules
+    """dev/schedules.py's op costs, by XLA's cost analysis, for one and two blocks a stage."""
+    from dev import schedules
 
     return schedules.op_costs(request.param)
 
@@ -191,7 +191,7 @@ def test_zero_bubble_splits_the_backward_without_redoing_it(costs):
 def test_zero_bubble_is_the_fastest_by_the_measured_costs(costs, microbatches):
     """With the measured costs, each tick as long as its slowest stage's op, zero-bubble's step
     is shorter than 1F1B's (4 stages), where it was longer when W redid the backward."""
-    from tools import schedules
+    from dev import schedules
 
     step = {
         kind: schedules.predicted(make_schedule(kind, 4, microbatches), costs)[0]

@@ -133,7 +133,9 @@ DROPLESS = ["expert_parallel", "shardmap_dp", "fsdp", "pipeline", "context_paral
 DROPLESS += ["pjit_tp", "logical_pjit", "explicit_sharding"]
 
 
-@pytest.mark.parametrize("script", matrix(DROPLESS, ["expert_parallel", "logical_pjit"]))
+# Every pytest: expert_parallel.py's program (the kernel in shard_map, and its ragged exchange);
+# -m full: every script
+@pytest.mark.parametrize("script", matrix(DROPLESS, ["expert_parallel"]))
 def test_dropless_experts_compile_by_megablox_grouped_matmul(script, tmp_path):
     """XLA's TPU compiler refuses a grouped matmul with a group per sequence: on a TPU dropless
     routing runs megablox's kernel (kernels.py), forward (gmm) and backward (gmm, tgmm); the
@@ -290,14 +292,15 @@ def test_every_chip_the_tool_knows_compiles(kind, tmp_path):
 
 
 # 2,048 tokens, 2 rows a chip: XLA's attention holds each layer's scores [rows, heads, 2,048,
-# 2,048]; the splash kernel computes them block by block
+# 2,048]; the splash kernel computes them block by block. -m full only (two compiles at 2,048
+# tokens, 72 s): every pytest runs the kernel itself against one device (test_equivalence.py)
 LONG = as_flags(dict(layers=2, d_model=256, heads=4, seq_len=2048, dtype="bfloat16")) + [
     "--batch-size",
     "16",
 ]
 
 
-@pytest.mark.parametrize("script", matrix(["shardmap_dp", "fsdp", "logical_pjit"], ["fsdp"]))
+@pytest.mark.parametrize("script", matrix(["shardmap_dp", "fsdp", "logical_pjit"], []))
 def test_splash_attention_is_the_kernel_and_holds_no_scores(script, tmp_path):
     """--attention auto on a TPU is splash: Pallas's kernel in the program (its forward and both
     halves of its backward), under a seventh of XLA's attention's temporaries at 2,048 tokens

@@ -51,14 +51,6 @@ _ARRAY = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")  # f32[64,128], 
 _CALLS = re.compile(r"\b(body|condition|calls|to_apply|branch_computations)=\{?%([\w.\-]+)")
 
 
-def _shape_bytes(text: str) -> int:
-    total = 0
-    for dtype, dims in _ARRAY.findall(text):
-        bits = 8 if dtype == "pred" else int(re.search(r"\d+", dtype).group())
-        total += math.prod(int(d) for d in dims.split(",") if d) * bits // 8
-    return total
-
-
 def _closing(text: str, start: int) -> int:
     """The index just past the bracket that closes the one at text[start]."""
     depths = itertools.accumulate((c == "(") - (c == ")") for c in text[start:])
@@ -157,7 +149,7 @@ def hlo_collectives(hlo_text: str) -> list:
     import common
 
     computations, shapes, entry = _hlo_program(hlo_text)
-    sizes = {name: _shape_bytes(shape) for name, shape in shapes.items()}
+    sizes = {name: common._shape_bytes(shape) for name, shape in shapes.items()}
     counts = re.findall(r"(?:num_partitions|replica_count)=(\d+)", hlo_text)  # jit's, pmap's
     devices = max(map(int, counts or [1]))
     callers = {}

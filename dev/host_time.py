@@ -7,8 +7,8 @@ that both make the same tokens). Then a script's run both ways, each printing it
 the median time the loop waited for a batch (the summary's data_wait_seconds). The loop makes
 each batch while the devices run the step before it (JAX dispatches steps asynchronously).
 
-  python tools/host_time.py                       # shardmap_dp.py, a small model at 8 x 1,024
-  python tools/host_time.py --script fsdp.py -- --batch-size 32 --seq-len 64
+  python dev/host_time.py                       # shardmap_dp.py, a small model at 8 x 1,024
+  python dev/host_time.py --script fsdp.py -- --batch-size 32 --seq-len 64
 
 On emulated CPU devices the compiled walk waits for the step before it: it runs on CPU device
 0, which runs training steps in order. On a GPU or TPU host the walk has the CPU to itself.

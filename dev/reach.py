@@ -1,7 +1,7 @@
 """What a copier of a script carries: the script's and common.py's lines, and how many of
 common.py's top-level definitions the script reaches (through the ones it calls, transitively).
 
-  python tools/reach.py fsdp.py            # or any script
+  python dev/reach.py fsdp.py            # or any script
 """
 
 import ast

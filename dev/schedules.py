@@ -6,8 +6,8 @@ Two blocks, each between its markers: docs/strategies.md's picture of the four s
 ticks, bubble from the table and from its formula, and micro-batches in flight per stage, all
 read from make_schedule's tables). tests/test_docs.py fails when either is stale.
 
-  python tools/schedules.py           # rewrite both blocks
-  python tools/schedules.py --check   # exit 1 if either differs from pipeline.py
+  python dev/schedules.py           # rewrite both blocks
+  python dev/schedules.py --check   # exit 1 if either differs from pipeline.py
 """
 
 import argparse
@@ -154,7 +154,7 @@ def table():
         )
     rows += [
         "",
-        "The costs, in the matmul FLOPs of one stage's ops as compiled (`tools/schedules.py`'s "
+        "The costs, in the matmul FLOPs of one stage's ops as compiled (`dev/schedules.py`'s "
         "`op_costs`, the default block, one micro-batch), in forwards: a whole backward "
         f"{costs[pipeline.BACKWARD]:.2f}, zero-bubble's B {costs[pipeline.INPUT_GRAD]:.2f} and W "
         f"{costs[pipeline.WEIGHT_GRAD]:.2f}. A tick lasts as long as its slowest stage's op.",
@@ -193,7 +193,7 @@ def main():
         if args.check and fresh != text:
             sys.exit(
                 f"{page.name}'s pipeline schedules differ from pipeline.py: run python "
-                "tools/schedules.py"
+                "dev/schedules.py"
             )
         if not args.check:
             page.write_text(fresh)

@@ -20,9 +20,9 @@ per device along it), against Megatron's formula for a
 layer's activations (Korthikanti et al. 2022, s the length, b the rows, h = d_model, a heads, t
 = model): sbh (10 + 24 / t + 5 a s / (h t)) without, sbh (34 / t + 5 a s / (h t)) with.
 
-  python tools/long_sequences.py             # both tables (under a minute on 2 cores)
-  python tools/long_sequences.py --write     # and put them into docs/long_sequences.md
-  python tools/long_sequences.py --lengths 1024 4096
+  python dev/long_sequences.py             # both tables (under a minute on 2 cores)
+  python dev/long_sequences.py --write     # and put them into docs/long_sequences.md
+  python dev/long_sequences.py --lengths 1024 4096
 """
 
 import argparse

@@ -8,12 +8,12 @@ every core and, with --starve, pins one emulated device's thread to the last cor
 busy loops of higher priority, so that thread runs far behind the others. It prints how the
 run ended and how many "stuck" warnings and aborts XLA printed.
 
-  python tools/stress.py -- python fsdp.py --cpu-devices 4 --steps 2000
-  python tools/stress.py --busy-per-core 8 --starve -- python fsdp.py --cpu-devices 4 --steps 2000
-  python tools/stress.py --runs 8 --busy-per-core 4 -- python fsdp.py --cpu-devices 4 --steps 300
+  python dev/stress.py -- python fsdp.py --cpu-devices 4 --steps 2000
+  python dev/stress.py --busy-per-core 8 --starve -- python fsdp.py --cpu-devices 4 --steps 2000
+  python dev/stress.py --runs 8 --busy-per-core 4 -- python fsdp.py --cpu-devices 4 --steps 300
   # the limit XLA had before the scripts raised it, scaled down to abort within seconds:
   XLA_FLAGS=--xla_cpu_collective_call_terminate_timeout_seconds=2 \\
-    python tools/stress.py --starve -- python fsdp.py --cpu-devices 4 --steps 200
+    python dev/stress.py --starve -- python fsdp.py --cpu-devices 4 --steps 200
 
 Linux only (thread affinity); --starve raises the busy loops' priority, which needs root, and
 otherwise runs them at normal priority.

@@ -6,7 +6,7 @@ schedule computes for its rank (its idle steps left out) must be the same list. 
 a requirement of this project; in a virtual environment of its own:
 
   python3 -m venv /tmp/torch && /tmp/torch/bin/pip install torch numpy jax flax optax
-  orbax-checkpoint /tmp/torch/bin/python tools/torch_schedules.py"""
+  orbax-checkpoint /tmp/torch/bin/python dev/torch_schedules.py"""
 
 import os
 import sys

@@ -8,12 +8,12 @@
 # chroot, mount); the root file system is built once and reused, the packages are upgraded on
 # every run.
 #
-#   sudo tools/newest_jax.sh                          # the whole suite, about 18 minutes
-#   sudo tools/newest_jax.sh test_equivalence.py -x   # the headline proof alone
-#   NEWEST_JAX_ROOT=/srv/trixie sudo -E tools/newest_jax.sh
+#   sudo dev/newest_jax.sh                          # the whole suite, about 18 minutes
+#   sudo dev/newest_jax.sh test_equivalence.py -x   # the headline proof alone
+#   NEWEST_JAX_ROOT=/srv/trixie sudo -E dev/newest_jax.sh
 #
 # With a Python 3.13 already on the machine (pyenv's, say) no root file system is needed, nor root:
-#   NEWEST_PYTHON=~/.pyenv/versions/3.13.0/bin/python3.13 tools/newest_jax.sh
+#   NEWEST_PYTHON=~/.pyenv/versions/3.13.0/bin/python3.13 dev/newest_jax.sh
 # Either way the newest JAX's libtpu goes into the copy's .tpu/, for tests/test_tpu.py.
 set -euo pipefail
 project=$(cd "$(dirname "$0")/.." && pwd)

@@ -17,8 +17,8 @@ This tool compiles each for the scripts' default model (4 layers, width 128, bat
 step holds (count and bytes per step and device), the state and temporaries per device, the
 compile time, and the lines of code that state the layout (the definitions LAYOUT names).
 
-  python tools/three_ways.py            # print the table
-  python tools/three_ways.py --write    # and rewrite it in docs/three_ways.md
+  python dev/three_ways.py            # print the table
+  python dev/three_ways.py --write    # and rewrite it in docs/three_ways.md
 """
 
 import argparse
@@ -263,7 +263,7 @@ MODES = {
 # the rules (logical names -> mesh axes) and the parameters' logical names in common.py.
 LAYOUT = {
     "manual": (
-        "tools/three_ways.py",
+        "dev/three_ways.py",
         [
             "copy_to_model",
             "sum_over_model",

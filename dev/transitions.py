@@ -12,8 +12,8 @@ marker `<!-- code SCRIPT: NAMES -->` ... `<!-- end code -->` gets those definiti
 branch's mechanism, which a diff shows only as added lines. So the excerpts are always the real
 code, and tests/test_docs.py fails when they are stale.
 
-  python tools/transitions.py           # rewrite the excerpts
-  python tools/transitions.py --check   # exit 1 if any excerpt differs from the scripts
+  python dev/transitions.py           # rewrite the excerpts
+  python dev/transitions.py --check   # exit 1 if any excerpt differs from the scripts
 """
 
 import argparse
@@ -89,7 +89,7 @@ def main():
         if fresh != readme:
             sys.exit(
                 f"{PAGE}'s transition excerpts differ from the scripts: run python "
-                "tools/transitions.py"
+                "dev/transitions.py"
             )
         print(f"{PAGE.name}: {len(MARKER.findall(readme))} transition excerpts match the scripts")
     else:

@@ -17,8 +17,8 @@ XLA:CPU computes jax.lax.ragged_dot as one masked matmul per expert (measured: i
 analysis counts E x the grouped FLOPs), so on CPU the dropless experts cost E / k times what a
 GPU's or TPU's grouped matmul does; the figures show both.
 
-  python tools/routing_cost.py                          # 256, 1k and 4k tokens
-  python tools/routing_cost.py --lengths 256 1024 --capacity-factor 2
+  python dev/routing_cost.py                          # 256, 1k and 4k tokens
+  python dev/routing_cost.py --lengths 256 1024 --capacity-factor 2
 """
 
 import argparse

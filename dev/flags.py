@@ -10,8 +10,8 @@ runs of that script. After the tests, conftest.py checks the table's examples th
 what they recorded, so the table cannot keep a claim a test stopped making.
 
   FLAGS_RECORD=/tmp/flags pytest -m ""        # every test, recording (about 45 minutes)
-  python tools/flags.py /tmp/flags --write    # rewrite docs/flags.md's table from the records
-  python tools/flags.py /tmp/a /tmp/b         # the table from several runs' records, printed
+  python dev/flags.py /tmp/flags --write    # rewrite docs/flags.md's table from the records
+  python dev/flags.py /tmp/a /tmp/b         # the table from several runs' records, printed
 """
 
 import argparse

@@ -10,9 +10,9 @@ the scripts' timeouts, after 20 seconds with XLA's own). Measured on 2 cores: 8 
 with 15 threads and finish with 16; 4 devices hang with 4 (XLA's default here) or 5, and
 finish with 6 or more.
 
-  python tools/cpu_deadlock.py                           # the scripts' setting: finishes
-  python tools/cpu_deadlock.py --devices 8 --threads 15  # 2N - 1 threads: hangs, until SIGKILL
-  python tools/cpu_deadlock.py --threads 4               # XLA's default on <= 4 cores: hangs
+  python dev/cpu_deadlock.py                           # the scripts' setting: finishes
+  python dev/cpu_deadlock.py --devices 8 --threads 15  # 2N - 1 threads: hangs, until SIGKILL
+  python dev/cpu_deadlock.py --threads 4               # XLA's default on <= 4 cores: hangs
 """
 
 import argparse

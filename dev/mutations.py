@@ -14,10 +14,10 @@ The tests each bug runs are a part of the suite chosen to catch it quickly; ever
 is also in a plain `pytest`, so the whole suite catches it too. Before the bugs, the same tests
 run on the unchanged code and must pass (skip with --no-clean), so that a failure means the bug.
 
-  python tools/mutations.py                 # every bug; about 15 minutes on 2 cores
-  python tools/mutations.py --only 3 7      # some of them
-  python tools/mutations.py --write         # and rewrite the table in docs/mutations.md
-  python tools/mutations.py --only 30 --write   # rewrite that bug's row, keep the others
+  python dev/mutations.py                 # every bug; about 15 minutes on 2 cores
+  python dev/mutations.py --only 3 7      # some of them
+  python dev/mutations.py --write         # and rewrite the table in docs/checks.md
+  python dev/mutations.py --only 30 --write   # rewrite that bug's row, keep the others
 """
 
 import argparse
@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGE = ROOT / "docs" / "mutations.md"
+PAGE = ROOT / "docs" / "checks.md"
 MARKER = re.compile(r"<!-- mutations:start -->\n.*?<!-- mutations:end -->", re.DOTALL)
 EQ = "test_equivalence.py"
 TPU = "tests/test_tpu.py"
@@ -617,9 +617,7 @@ def main():
     parser.add_argument(
         "--no-clean", action="store_true", help="skip the run of the tests on the unchanged code"
     )
-    parser.add_argument(
-        "--write", action="store_true", help="rewrite the table in docs/mutations.md"
-    )
+    parser.add_argument("--write", action="store_true", help="rewrite the table in docs/checks.md")
     parser.add_argument(
         "--timeout", type=int, default=1800, help="seconds allowed for each bug's tests"
     )
