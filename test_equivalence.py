@@ -350,13 +350,13 @@ def test_a_mixture_of_experts_matches(name):
 
 
 # Dropless experts by megablox's grouped matmul, the kernel a TPU runs (kernels.py, interpreted
-# here): every pytest in expert_parallel.py's shard_map body, each device its own experts; -m full
-# every other strategy (explicit_sharding.py's types among them: 58 s of CI's 15 minutes).
+# here): every pytest in expert_parallel.py's shard_map body, each device its own experts, with
+# its ragged exchange (test_the_tpus_ragged_all_to_all_matches); -m full every strategy.
 GMM = ["expert_parallel", "expert_parallel_8", "pmap_dp", "shardmap_dp", "fsdp", "pipeline_1f1b"]
 GMM += ["context_parallel", "pjit_tp", "logical_fsdp_tp", "explicit_fsdp_tp", "explicit_tp_sp"]
 
 
-@pytest.mark.parametrize("name", matrix(GMM, ["expert_parallel"]))
+@pytest.mark.parametrize("name", matrix(GMM, []))
 def test_the_tpus_grouped_matmul_matches(name, monkeypatch):
     """Each strategy with the grouped matmul a TPU runs, against one device with XLA's."""
     ref = reference(**{**MOE, **model_flags(name)})
@@ -492,12 +492,12 @@ def test_an_nnx_model_matches(name, monkeypatch):
 
 
 # tests/docs_model.py: a model written whole as the Flax guides write one (a list of blocks,
-# GQA, a tied head), 11 lines from tests/docs_model_as_written.py. Every pytest: the scripts that
-# cut it apart (FSDP's gathers per piece, a pipeline's stages); the hooks: -m full.
+# GQA, a tied head), 11 lines from tests/docs_model_as_written.py. Every pytest: FSDP's gathers
+# per piece of the cut (common.cut_at_blocks, the same for every script); -m full: the rest.
 DOCS = {"model": "tests.docs_model", "kv_heads": 2}
 
 
-@pytest.mark.parametrize("name", matrix(DENSE, ["fsdp", "pipeline_1f1b"]))
+@pytest.mark.parametrize("name", matrix(DENSE, ["fsdp"]))
 def test_a_model_written_whole_matches(name, monkeypatch):
     """tests/docs_model.py, cut at its blocks (common.cut_at_blocks), through every script and
     preset (pjit_tp.py with the entries it suggests), against one device training it."""
@@ -1837,10 +1837,10 @@ SEVERAL = list(DEFAULTS.values()) + [
 ]
 
 
-# Every pytest: pmap's stack and shard_map's (pipeline.py's and a sequence's pieces the same);
-# fsdp.py's resume on two processes in tests/test_checkpoints.py. -m full: every script (the
-# compiler's shardings, pjit_tp.py's, among them).
-TWO_PROCESSES = ["pmap_dp", "shardmap_dp"]
+# Every pytest: shard_map's rows (pipeline.py's and a sequence's pieces the same); fsdp.py's
+# resume on two processes in tests/test_checkpoints.py. -m full: every script (pmap's stack and
+# the compiler's shardings among them).
+TWO_PROCESSES = ["shardmap_dp"]
 
 
 @pytest.mark.parametrize("name", matrix(SEVERAL, TWO_PROCESSES))

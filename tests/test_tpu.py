@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
+import common
+
 from tools import hlo
 from tools import compile_for as tool
 from tests.harness import FULL, MOE, ROOT, as_flags, matrix
@@ -57,7 +59,7 @@ def test_every_script_compiles_for_a_tpu_slice(script, tmp_path):
     # report counts, and this chip's rows of the batch
     computations, shapes, entry = hlo._hlo_program(text)
     inputs = [name for name, opcode, *_ in computations[entry] if opcode == "parameter"]
-    taken = sum(hlo._shape_bytes(shapes[name]) for name in inputs)
+    taken = sum(common._shape_bytes(shapes[name]) for name in inputs)
     rows = 32 * 65 * 4  # at most the whole batch, int32 tokens
     assert 0 <= taken - summary["state_bytes_per_device"] <= rows + 1024, taken
     assert summary["compiled_argument_bytes"] >= taken  # padded to tiles
