@@ -416,14 +416,12 @@ def test_pjit_tp_s_suggested_entries_train_a_new_model_and_match(monkeypatch):
 
 # Grouped-query attention: 4 query heads share 2 key-value heads, and an MLP of 96 hidden units
 # (not 4 x --d-model). Every pytest: tensor parallelism, which splits whole groups (model=2, the
-# 2 key-value heads' divisor), the ring and Ulysses (fewer key-value heads than its 4 devices:
-# repeated for each query head before its all-to-alls). -m full: every strategy.
+# 2 key-value heads' divisor), and the ring. -m full: every strategy (Ulysses among them, fewer
+# key-value heads than its 4 devices: repeated for each query head before its all-to-alls).
 GQA = {"kv_heads": 2, "mlp_dim": 96}
 
 
-@pytest.mark.parametrize(
-    "name", matrix(list(STRATEGIES), ["pjit_tp", "context_parallel", "context_ulysses"])
-)
+@pytest.mark.parametrize("name", matrix(list(STRATEGIES), ["pjit_tp", "context_parallel"]))
 def test_grouped_query_attention_matches(name):
     boxes = dict(common.logical_names(common.Config(**{**SMALL, **GQA})))
     assert boxes["block_0/attn/qkv/kernel"].value.shape == (64, (4 + 2 * 2) * 16)  # q, k, v

@@ -179,7 +179,10 @@ def uninterrupted(steps):
     return list(zip(result.losses, result.grad_norms, strict=True))
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+# Every pytest: SIGTERM (a preemption); -m full: Ctrl-C too, the same handler (common.StopSignals)
+@pytest.mark.parametrize(
+    "signum", matrix([signal.SIGTERM, signal.SIGINT], [signal.SIGTERM]), ids=["SIGTERM", "Ctrl-C"]
+)
 def test_a_stop_signal_saves_writes_the_summary_and_exits_0(signum, tmp_path):
     """SIGTERM (preemption) and Ctrl-C finish the step, save it, write the summary and exit 0;
     the resumed run continues the same metrics file, every step once."""

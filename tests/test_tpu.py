@@ -135,9 +135,9 @@ DROPLESS = ["expert_parallel", "shardmap_dp", "fsdp", "pipeline", "context_paral
 DROPLESS += ["pjit_tp", "logical_pjit", "explicit_sharding"]
 
 
-# Every pytest: expert_parallel.py's program (the kernel in shard_map, and its ragged exchange);
-# -m full: every script
-@pytest.mark.parametrize("script", matrix(DROPLESS, ["expert_parallel"]))
+# -m full only (45 s a script): every pytest runs the kernel, and expert_parallel.py's ragged
+# exchange, against one device in the interpreter (test_equivalence.py)
+@pytest.mark.parametrize("script", matrix(DROPLESS, []))
 def test_dropless_experts_compile_by_megablox_grouped_matmul(script, tmp_path):
     """XLA's TPU compiler refuses a grouped matmul with a group per sequence: on a TPU dropless
     routing runs megablox's kernel (kernels.py), forward (gmm) and backward (gmm, tgmm); the
