@@ -33,18 +33,26 @@ os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, 2 * 8)))
 jax.config.update("jax_num_cpu_devices", 8)
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items):
-    """Which tests run on one worker (pytest-xdist's --dist=loadgroup, pyproject.toml): a test
-    file's tests together, as they share the runs it caches (tests/harness.py), but
-    test_equivalence.py's by strategy (its `name`), so that the headline proof, a third of the
-    suite, spreads over the workers, each strategy's runs computed once on one of them."""
-    for item in items:
-        group = item.path.name
-        params = getattr(item, "callspec", None) and item.callspec.params
-        if group == "test_equivalence.py" and params and "name" in params:
-            group = f"{group}::{params['name']}"
-        item.add_marker(pytest.mark.xdist_group(group))
+def group(nodeid: str) -> str:
+    """The tests that run on one worker together: a test file's, as they share the runs it
+    caches (tests/harness.py), but test_equivalence.py's by strategy (its parameters' first
+    part), so that the headline proof, a third of the suite, spreads over the workers."""
+    path, _, test = nodeid.partition("::")
+    if path != "test_equivalence.py" or "[" not in test:
+        return path
+    return f"{path}::{test.split('[', 1)[1].split('-', 1)[0].rstrip(']')}"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's --dist=loadscope, its scopes group() (its loadgroup reads a test's group
+    from a suffix it can no longer add to the test's id under pytest 9: no group at all)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return group(nodeid)
+
+    return ByGroup(config, log)
 
 
 PASSED = set()  # the tests that passed in this session, as pytest-xdist reports them
