@@ -48,6 +48,9 @@ def pytest_xdist_make_scheduler(config, log):
     from a suffix it can no longer add to the test's id under pytest 9: no group at all)."""
     from xdist.scheduler import LoadScopeScheduling
 
+    # Loudly, if a newer xdist scopes otherwise: overridden in silence, it would group by file
+    assert hasattr(LoadScopeScheduling, "_split_scope"), "pytest-xdist: no _split_scope"
+
     class ByGroup(LoadScopeScheduling):
         def _split_scope(self, nodeid):
             return group(nodeid)
