@@ -26,10 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from flax.linen import logical_to_mesh_axes
 from flax.linen import with_logical_constraint as constrain  # rules' layout; none: x
 from flax.training import train_state
 from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.experimental import mesh_utils, multihost_utils
+from jax.experimental.pallas.ops.tpu.megablox import gmm
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 from orbax.checkpoint import v1 as ocp
 
 BYTES = 256  # the vocabulary of byte-level text
@@ -182,8 +186,8 @@ def _residual_scale(config):
 
 def causal_attention(q, k, v, implementation="xla"):
     """Each position's softmax attention (in float32) to itself and those before."""
-    if implementation == "splash":  # a TPU's kernel, in its own file
-        return importlib.import_module("kernels").splash_attention(q, k, v)
+    if implementation == "splash":  # a TPU's kernel (Pallas's, below)
+        return splash_attention(q, k, v)
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
 
 
@@ -629,9 +633,9 @@ GROUPED = jax.lax.RaggedDotDimensionNumbers((((2,), (1,)), ((), ())), (1,), (0,)
 
 
 def grouped_matmul() -> Callable:
-    """XLA's grouped matmul, or on a TPU, whose compiler refuses it, megablox's (kernels.py)."""
+    """XLA's grouped matmul, or on a TPU, whose compiler refuses it, megablox's (below)."""
     if jax.devices()[0].platform == "tpu":
-        return importlib.import_module("kernels").grouped_matmul
+        return megablox_matmul
     return jax.lax.ragged_dot_general
 
 
@@ -803,6 +807,140 @@ def routing(metrics, layers: int) -> dict:
         "expert_tokens_max": float(per_expert.max()),
         "dropped_share": dropped / (dropped + float(per_expert.sum()) * layers),
     }
+
+
+# ----------------------------------------------------------------------------------------------
+# A TPU's kernels (Pallas's), laid out per device: what --attention splash runs, and dropless
+# experts' grouped matmul on a TPU. Interpreted on a CPU, which is how the tests prove them.
+# ----------------------------------------------------------------------------------------------
+
+
+def splash_attention(q, k, v):
+    """causal_attention by Pallas's splash kernel on each device's rows and heads: in a
+    shard_map of the axes the compiler partitions, laid as the queries are (their type, or the
+    rules', or without rules Megatron's); in a shard_map's body, as the device's own."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:  # one device, or jax.pmap's
+        return _splash(q, k, v)
+    if not (axes := {*mesh.explicit_axes, *mesh.auto_axes}):
+        return _unchecked(_splash)(q, k, v)
+    if mesh.explicit_axes:
+        spec = jax.typeof(q).sharding.spec
+    else:
+        spec = logical_to_mesh_axes(("batch", "length", "act_heads", None))
+    if not any(spec):  # no rules name them (pjit_tp.py): Megatron's, where the sizes divide
+        fits = lambda a, *n: a in axes and all(x % mesh.shape[a] == 0 for x in n)  # noqa: E731
+        rows, heads = fits("data", q.shape[0]), fits("model", q.shape[2], k.shape[2])
+        spec = jax.P("data" if rows else None, None, "model" if heads else None, None)
+    run = jax.shard_map(
+        _splash, in_specs=(spec,) * 3, out_specs=spec, axis_names=axes, check_vma=False
+    )
+    return run(q, k, v)
+
+
+def _unchecked(f):
+    """f in a shard_map's body, where a Pallas kernel states no varying axes (JAX 0.10, 0.12):
+    run unchecked, its output varying as its inputs together do; the gradient of an input that
+    varies along fewer axes summed over the others, as JAX's own broadcast would be. Its
+    backward runs f again."""
+    run = functools.partial(
+        jax.shard_map, in_specs=jax.P(), out_specs=jax.P(), axis_names=set(), check_vma=False
+    )
+    varying = lambda x: jax.typeof(x).manual_axis_type.varying  # noqa: E731
+
+    def as_varying(x, axes):
+        return jax.lax.pcast(x, tuple(axes - varying(x)), to="varying")
+
+    @jax.custom_vjp
+    def unchecked(*args):  # computed here (x * 1), each is typed as f's output is: unvarying
+        out = run(lambda *a: f(*(x * 1 for x in a)))(*args)
+        return as_varying(out, set().union(*map(varying, args)))
+
+    def backward(args, grad):
+        real = [jnp.issubdtype(a.dtype, jnp.inexact) for a in args]  # the others get no gradient
+
+        def pulled(*a):
+            def of_reals(*reals):
+                it = iter(reals)
+                return f(*(next(it) if r else x * 1 for x, r in zip(a[:-1], real, strict=True)))
+
+            reals = (x * 1 for x, r in zip(a[:-1], real, strict=True) if r)
+            return jax.vjp(of_reals, *reals)[1](a[-1] * 1)
+
+        axes, grads = set().union(*map(varying, args)), iter(run(pulled)(*args, grad))
+        sums = [tuple(axes - varying(a)) for a in args]
+        return tuple(
+            jax.lax.psum(as_varying(next(grads), axes), s) if r else None
+            for r, s in zip(real, sums, strict=True)
+        )
+
+    unchecked.defvjp(lambda *args: (unchecked(*args), args), backward)
+    return unchecked
+
+
+def _splash(q, k, v):
+    """Splash attention on whole arrays, blocks of up to 512 tokens never holding the scores
+    whole: compiled on a TPU, interpreted elsewhere; each key-value head with its group."""
+    (b, s, h, d), kv = q.shape, k.shape[2]
+    blocks = splash.BlockSizes(*[min(512, s)] * 8)  # of the forward, the dq and the dk/dv passes
+    causal = masks.MultiHeadMask([masks.CausalMask((s, s))] * (h // kv))
+    interpret = jax.devices()[0].platform != "tpu"
+    kernel = splash.make_splash_mqa_single_device(causal, block_sizes=blocks, interpret=interpret)
+    groups = (q / math.sqrt(d)).reshape(b, s, kv, h // kv, d).transpose(0, 2, 3, 1, 4)
+    out = jax.vmap(jax.vmap(kernel))(groups, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3))
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, s, h, d)
+
+
+def megablox_matmul(x, kernel, group_sizes, dimensions=None):
+    """jax.lax.ragged_dot_general of dropless routing (GROUPED: x [rows, slots, in], each
+    row's slots grouped by expert, group_sizes [rows, experts]) by megablox's gmm, one for all
+    the rows: in a shard_map's body, as the device's own (_unchecked); under the compiler's axes
+    in a shard_map over them, each device its share of the rows (split over the batch's axes,
+    then each other axis that divides them) and every expert's kernel whole."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:  # one device, or jax.pmap's
+        return _gmm(x, kernel, group_sizes)
+    if not (axes := {*mesh.explicit_axes, *mesh.auto_axes}):
+        return _unchecked(_gmm)(x, kernel, group_sizes)
+    laid = jax.typeof(x).sharding.spec if mesh.explicit_axes else logical_to_mesh_axes(["batch"])
+    batch = laid[0] if isinstance(laid[0], tuple) else (laid[0],)
+    rows = ()
+    for axis in dict.fromkeys((*batch, *mesh.axis_names)):
+        if axis in axes and x.shape[0] % math.prod(mesh.shape[a] for a in (*rows, axis)) == 0:
+            rows += (axis,)
+    spec = jax.P(rows)
+    if mesh.explicit_axes:  # explicit mode moves nothing unasked
+        x, kernel, group_sizes = (
+            jax.sharding.reshard(*a) for a in ((x, spec), (kernel, jax.P()), (group_sizes, spec))
+        )
+    run = jax.shard_map(
+        _gmm, in_specs=(spec, jax.P(), spec), out_specs=spec, axis_names=axes, check_vma=False
+    )
+    y = run(x, kernel, group_sizes)
+    return jax.sharding.reshard(y, jax.P(*laid[:-1])) if mesh.explicit_axes else y
+
+
+def _gmm(x, kernel, group_sizes):
+    """gmm on the rows' slots together, sorted by expert, padded to its tiles: the slots past
+    the groups, which gmm skips and leaves unwritten, come out zero, as do their gradients."""
+    (rows, slots, d), out = x.shape, kernel.shape[2]
+    ends = jnp.cumsum(group_sizes, -1)[:, None]  # each slot's expert; past the groups, the last
+    expert = (jnp.arange(slots)[None, :, None] >= ends).sum(-1).reshape(-1)
+    order = jnp.argsort(expert, stable=True) if rows > 1 else slice(None)  # one row: sorted
+    # Tiles as large as a v5e's VMEM takes in float32: x is read once per tile of the output's
+    # columns, each expert's kernel once per tile of rows (tiles of 128: 2.6 x the bytes). The
+    # features padded to 128s: the backward pass swaps the tiles of k and n, and a TPU's tile is
+    # the whole axis or 128s (a width of 64 did not compile).
+    tm, k, n = 512 if rows * slots > 256 else 128, d + -d % 128, out + -out % 128
+    tiling, room = (tm, min(512, k), min(1024, n)), rows * slots + -rows * slots % tm
+    sizes = group_sizes.sum(0)
+    filled = (jnp.arange(room) < sizes.sum())[:, None]
+    x = jnp.pad(x.reshape(-1, d)[order], ((0, room - rows * slots), (0, k - d)))
+    kernel = jnp.pad(kernel, ((0, 0), (0, k - d), (0, n - out)))
+    interpret = jax.devices()[0].platform != "tpu"
+    y = gmm(jnp.where(filled, x, 0), kernel, sizes, x.dtype, tiling, interpret=interpret)
+    y = jnp.where(filled, y, 0)[: rows * slots, :out]
+    return (y[jnp.argsort(order)] if rows > 1 else y).reshape(rows, slots, out)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -997,6 +1135,16 @@ def attention_kernel(config: TrainingConfig) -> str:
     splash = jax.devices()[0].platform == "tpu" and config.seq_len % 128 == 0
     auto = "splash" if splash else "xla" if why_not_cudnn(config) else "cudnn"
     return auto if config.attention == "auto" else config.attention
+
+
+def computes(config: TrainingConfig) -> str:
+    """The dtype and the attention a run computes with (under auto, why not a fused kernel)."""
+    kernel, platform = attention_kernel(config), jax.devices()[0].platform
+    if config.attention != "auto" or kernel != "xla":
+        return f"{config.dtype} compute, {kernel} attention"
+    why = {"tpu": "splash takes --seq-len in 128s", "gpu": f"cudnn {why_not_cudnn(config)}"}
+    why = why.get(platform, "splash needs a TPU, cudnn a GPU")
+    return f"{config.dtype} compute, xla attention (auto: {why})"
 
 
 def why_not_cudnn(config: TrainingConfig) -> str | None:
@@ -1683,7 +1831,7 @@ class Logger:
         self.info.update(devices=devices, processes=processes, dtype=config.dtype)
         log_print(
             f"{devices} {device.platform} devices in {processes} process(es) | {layout} | "
-            f"{report['param_count'] / 1e6:.2f}M parameters, {config.dtype} compute\nbatch "
+            f"{report['param_count'] / 1e6:.2f}M parameters, {computes(config)}\nbatch "
             f"{config.batch_size} x {config.seq_len} tokens ({config.batch_size // rows} per "
             f"device) | {dataset.describe()}\ncompiled the train step in "
             f"{report['compile_seconds']:.1f}s"

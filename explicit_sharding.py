@@ -236,7 +236,7 @@ def state_layouts(module, sequence):
     other axes and the kernel's outputs are. nnx.Linear and the layers made like it (a
     `dot_general` attribute, as common.ExpertDense) take their matmul from `matmul`. A grouped
     matmul (common.ExpertDense given groups: dropless experts) always states its own (a TPU's
-    kernel lays itself out, kernels.py).
+    kernel lays itself out, common.megablox_matmul).
     A lookup into an embedding table (a gather) states its result's layout: rows split as the
     tokens are, features as the table's (explicit mode asks for it even when the table is whole).
     (nnx.Dropout draws its mask split as its input is, the same bits as on one device.)

@@ -35,7 +35,6 @@ from tools import hlo
 import context_parallel
 import expert_parallel
 import fsdp
-import kernels
 import logical_pjit
 import explicit_sharding
 import pipeline
@@ -349,7 +348,7 @@ def test_a_mixture_of_experts_matches(name):
     compare(name, run(name, **MOE), reference(**MOE, **model_flags(name)), MOE)
 
 
-# Dropless experts by megablox's grouped matmul, the kernel a TPU runs (kernels.py, interpreted
+# Dropless experts by megablox's grouped matmul, the kernel a TPU runs (common.py's, interpreted
 # here): every pytest in expert_parallel.py's shard_map body, each device its own experts, with
 # its ragged exchange (test_the_tpus_ragged_all_to_all_matches); -m full every strategy.
 GMM = ["expert_parallel", "expert_parallel_8", "pmap_dp", "shardmap_dp", "fsdp", "pipeline_1f1b"]
@@ -360,7 +359,7 @@ GMM += ["context_parallel", "pjit_tp", "logical_fsdp_tp", "explicit_fsdp_tp", "e
 def test_the_tpus_grouped_matmul_matches(name, monkeypatch):
     """Each strategy with the grouped matmul a TPU runs, against one device with XLA's."""
     ref = reference(**{**MOE, **model_flags(name)})
-    monkeypatch.setattr(common, "grouped_matmul", lambda: kernels.grouped_matmul)
+    monkeypatch.setattr(common, "grouped_matmul", lambda: common.megablox_matmul)
     compare(name, run_uncached(name, **MOE), ref, MOE)
 
 
@@ -394,7 +393,7 @@ def test_the_tpus_ragged_all_to_all_matches(name, monkeypatch):
     matmul, against one device."""
     ref = reference(**{**MOE, **model_flags(name)})
     monkeypatch.setattr(expert_parallel, "ragged_all_to_all", lambda: ragged_all_to_all)
-    monkeypatch.setattr(common, "grouped_matmul", lambda: kernels.grouped_matmul)
+    monkeypatch.setattr(common, "grouped_matmul", lambda: common.megablox_matmul)
     compare(name, run_uncached(name, **MOE), ref, MOE)
 
 
@@ -1097,7 +1096,7 @@ def check_collectives(module, config, result, specs, mesh):
         module in RULED and dict(module.RULES[config.rules]).get("mlp")
     )
     # Megatron: per block, 2 forward and 2 backward at least; attention's alone where the MLP is
-    # a TPU's grouped matmul, each device its rows with the experts' kernels whole (kernels.py)
+    # a TPU's grouped matmul, each device its rows with the experts' kernels whole (megablox's)
     if tensor_parallel and mesh.shape["model"] > 1:
         kernel = config.experts and not config.capacity_factor
         kernel = kernel and common.grouped_matmul() is not jax.lax.ragged_dot_general

@@ -565,12 +565,14 @@ def test_devices_far_behind_the_host_do_not_deadlock():
 
 
 def test_the_log_and_the_summary_say_which_dtype_ran(tmp_path, capsys):
-    """--dtype changes every number: the first line says it, and so does the summary."""
+    """--dtype changes every number: the first line says it, and so does the summary; and
+    which attention runs (on a CPU, XLA's: the fused kernels are a TPU's and a GPU's)."""
     module = SCRIPTS["shardmap_dp"]
     flags = [*TINY, "--dtype", "bfloat16", "--metrics-file", str(tmp_path / "m.jsonl")]
     result = module.main(common.parse_config(module.Config, None, flags))
     first = capsys.readouterr().out.splitlines()[0]
-    assert first.endswith("parameters, bfloat16 compute"), first
+    auto = "xla attention (auto: splash needs a TPU, cudnn a GPU)"
+    assert first.endswith(f"parameters, bfloat16 compute, {auto}"), first
     assert result.summary["dtype"] == "bfloat16"
     written = json.loads((tmp_path / "m.jsonl").read_text().splitlines()[-1])
     assert written["summary"]["dtype"] == "bfloat16"

@@ -314,7 +314,8 @@ def test_common_py_keeps_its_parts_within_their_bounds():
     """common.py: the lesson, then the cost report (at most 100 lines: the rest of the HLO reading
     went to tools/hlo.py, 312 -> 98), then the harness (at most 560: compile_step and
     show_sharding came from the cost report, 496 -> 545; the loop's exits, StopSignals and
-    stop_if_not_finite, out of Checkpoints and Logger, 15), 1,803 in all (issue 67 cuts it);
+    stop_if_not_finite, out of Checkpoints and Logger, 15), 1,951 in all (the TPU's kernels
+    moved in from kernels.py, so that a copy of two files runs on a TPU);
     what a copier of fsdp.py carries is what the README says."""
     lines = (ROOT / "common.py").read_text().splitlines()
     cost = (
@@ -322,7 +323,7 @@ def test_common_py_keeps_its_parts_within_their_bounds():
     )
     harness = next(i for i, line in enumerate(lines) if line.startswith("# THE HARNESS")) - 1
     assert 0 < cost < harness and harness - cost <= 100 and len(lines) - harness <= 560
-    assert len(lines) <= 1803
+    assert len(lines) <= 1951
     readme = (ROOT / "README.md").read_text()
     carried = int(
         re.search(r"A copier of `fsdp.py` carries ([\d,]+) lines", readme)[1].replace(",", "")

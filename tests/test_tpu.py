@@ -1,6 +1,7 @@
 """tools/compile_for.py: each script compiled for a TPU slice on this CPU machine (libtpu's
-compile-only devices, requirements-tpu.txt), nothing run; its report checked against the compiled
-program and the script's docstring, and the predicted step time against hand arithmetic."""
+compile-only devices, requirements-tpu.txt), nothing run, from a folder holding only the script
+and common.py, as a user's copy; its report checked against the compiled program and the
+script's docstring, and the predicted step time against hand arithmetic."""
 
 import json
 import re
@@ -14,7 +15,7 @@ import common
 
 from tools import hlo
 from tools import compile_for as tool
-from tests.harness import FULL, MOE, ROOT, as_flags, matrix
+from tests.harness import FULL, MOE, ROOT, TINY, as_flags, copy_alone, matrix
 
 TOPOLOGY = "v5e:2x4"  # v5e-8: 8 chips, one host
 # The scripts' default width and length (smaller arrays would be mostly TPU's tile padding)
@@ -36,12 +37,14 @@ NAMED = {
 
 
 def compile_for(script, tmp_path, *flags, topology=TOPOLOGY):
-    """The script compiled for a slice by tools/compile_for.py: (the process, its summary, the
-    TPU program's text)."""
+    """The script, copied with common.py alone into tmp_path, compiled for a slice by
+    tools/compile_for.py: (the process, its summary, the TPU program's text)."""
+    copy_alone(script, tmp_path)
     metrics, hlo = tmp_path / "m.jsonl", tmp_path / "step.hlo"
-    command = [sys.executable, "tools/compile_for.py", topology, f"{script}.py", *SIZE, *flags]
-    command += ["--metrics-file", str(metrics), "--hlo", str(hlo)]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    command = [sys.executable, str(ROOT / "tools/compile_for.py"), topology, f"{script}.py"]
+    command += [*SIZE, *flags, "--metrics-file", str(metrics), "--hlo", str(hlo)]
+    metrics.unlink(missing_ok=True)
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads(metrics.read_text().splitlines()[-1])["summary"]
     return done, summary, hlo.read_text()
@@ -87,6 +90,39 @@ def data_parallel(tmp_path_factory):
     return compile_for("shardmap_dp", tmp_path_factory.mktemp("dp"), *STATE_WIDTH)[1]
 
 
+@pytest.fixture(scope="session")
+def fsdp_alone(tmp_path_factory):
+    """fsdp.py compiled at STATE_WIDTH, 1,024 tokens: (its folder, the process, its summary, the
+    TPU program's text)."""
+    folder = tmp_path_factory.mktemp("fsdp")
+    return folder, *compile_for("fsdp", folder, *STATE_WIDTH)
+
+
+def kernels(hlo) -> set:
+    """The Pallas kernels a TPU program runs: splash attention's parts, megablox's matmuls."""
+    found = set(re.findall(r"%splash_\w+?_(fwd|dq|dkv)", hlo))
+    return found | set(re.findall(r'custom_call_target="tpu_custom_call".*jit\((t?gmm)\)', hlo))
+
+
+def test_a_copy_of_a_script_and_common_py_trains_here_and_compiles_for_a_tpu(fsdp_alone):
+    """What the README says to do: fsdp.py and common.py alone in a folder train on this CPU and
+    compile for v5e-8 at 1,024 tokens, where --attention auto is splash, dense and with --experts
+    (megablox's grouped matmul; at a width of 64, which its tiles once refused)."""
+    folder, done, _, hlo = fsdp_alone
+    assert done.stdout.splitlines()[0].endswith("bfloat16 compute, splash attention")
+    assert kernels(hlo) == {"fwd", "dq", "dkv"}
+    experts = as_flags(dict(seq_len=1024, layers=1, d_model=64, batch_size=8, experts=2, top_k=1))
+    done, _, hlo = compile_for("fsdp", folder, *experts)
+    assert done.stdout.splitlines()[0].endswith("float32 compute, splash attention")
+    assert kernels(hlo) == {"fwd", "dq", "dkv", "gmm", "tgmm"}
+    done = subprocess.run(
+        [sys.executable, "fsdp.py", *TINY], cwd=folder, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "xla attention (auto: splash needs a TPU, cudnn a GPU)" in done.stdout.splitlines()[0]
+    assert {p.name for p in folder.iterdir() if p.suffix == ".py"} == {"fsdp.py", "common.py"}
+
+
 # ZeRO-3 as each script writes it (logical_*: logical_pjit.py's presets, explicit_*:
 # explicit_sharding.py's): its flags, the ways its state is split (N), the largest piece a chip
 # gathers whole, the head's (float32, 256 x 50,304; split over 'model' under fsdp_tp), and the
@@ -106,7 +142,7 @@ SHARDED = {
 
 @pytest.mark.parametrize("name", matrix(list(SHARDED), ["fsdp", "logical_fsdp"]))
 def test_fsdp_needs_less_hbm_than_data_parallelism_by_the_state_it_shards(
-    name, data_parallel, tmp_path
+    name, data_parallel, fsdp_alone, tmp_path
 ):
     """ZeRO-3's promise on the chip it is for: HBM per chip at most that of the layout it adds
     FSDP to (data parallelism's; fsdp_tp's, tensor parallelism's, whose chips run 4 x the rows
@@ -118,7 +154,10 @@ def test_fsdp_needs_less_hbm_than_data_parallelism_by_the_state_it_shards(
     script = {"logical": "logical_pjit", "explicit": "explicit_sharding"}.get(
         name.split("_")[0], "fsdp"
     )
-    zero3 = compile_for(script, tmp_path, *STATE_WIDTH, *flags.split())[1]
+    if name == "fsdp":  # compiled for the copy's test too
+        zero3 = fsdp_alone[2]
+    else:
+        zero3 = compile_for(script, tmp_path, *STATE_WIDTH, *flags.split())[1]
     base = compile_for(script, tmp_path, *STATE_WIDTH, *under.split())[1] if under else None
     base = base or data_parallel
     state, kept = data_parallel["state_bytes_per_device"], zero3["state_bytes_per_device"]
@@ -140,14 +179,13 @@ DROPLESS += ["pjit_tp", "logical_pjit", "explicit_sharding"]
 @pytest.mark.parametrize("script", matrix(DROPLESS, []))
 def test_dropless_experts_compile_by_megablox_grouped_matmul(script, tmp_path):
     """XLA's TPU compiler refuses a grouped matmul with a group per sequence: on a TPU dropless
-    routing runs megablox's kernel (kernels.py), forward (gmm) and backward (gmm, tgmm); the
-    report counts its matmuls, every slot it is given (an upper bound: it skips the slots past
-    its groups, other devices' experts' under expert_parallel.py), its forward again backward."""
+    routing runs megablox's kernel (common.megablox_matmul), forward (gmm) and backward (gmm,
+    tgmm); the report counts its matmuls, every slot it is given (an upper bound: it skips the
+    slots past its groups, other devices' experts' under expert_parallel.py), its forward again
+    backward."""
     flags = [] if script == "expert_parallel" else as_flags(MOE)
     summary, hlo = compile_for(script, tmp_path, *flags)[1:]
-    calls = re.findall(r'custom_call_target="tpu_custom_call".*op_name="([^"]*)"', hlo)
-    kernels = {re.search(r"jit\((t?gmm)\)", name)[1] for name in calls if "gmm" in name}
-    assert kernels == {"gmm", "tgmm"}, calls
+    assert kernels(hlo) == {"gmm", "tgmm"}
     assert 0.9 <= summary["step_flops_over_model"] <= 4  # uncounted: 0.27
     if script == "expert_parallel":  # each choice to its expert's device alone, and back
         exchanges = re.findall(r"= \S+ ragged-all-to-all\(", hlo)

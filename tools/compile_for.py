@@ -200,7 +200,8 @@ def main(argv: list):
         reached.append(True)  # what fails now is the compile
         mesh = next((x.sharding.mesh for x in jax.tree.leaves(state) if x.sharding), None)
         axes = ",".join(f"{a}={n}" for a, n in mesh.shape.items()) if mesh else "none, pmap"
-        print(f"compiling {script}'s step for {topology} (mesh {axes})", flush=True)
+        computes = common.computes(config)
+        print(f"compiling {script}'s step for {topology} (mesh {axes}), {computes}", flush=True)
         if not hasattr(step_fn, "trace") and jax.process_count() > 1:  # jax.pmap's step
             fail(f"{script}: pmap lowers for shapes on one host only, e.g. v5p:2x2x1 (one host)")
         try:

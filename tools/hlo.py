@@ -122,12 +122,12 @@ def hlo_flops(hlo_text: str) -> float:
                 k = dims(operands[1])[labels[1].index("i")]
                 taps = _taps(attributes, labels, dims(operands[0]), dims(name))
                 total += 2 * math.prod(dims(name)) * k * taps
-            elif kernel := re.match(r"splash_\w+?_(fwd|dq|dkv)", name):  # kernels.py's: its
+            elif kernel := re.match(r"splash_\w+?_(fwd|dq|dkv)", name):  # common.py's: its
                 # 2, 3 or 4 matmuls of the queries (its first floats, [..., length, head_dim])
                 q = next(dims(o) for o in operands if re.match(r"(bf|f)\d+\[", shapes[o]))
                 total += {"fwd": 2, "dq": 3, "dkv": 4}[kernel[1]] * 2 * math.prod(q) * q[-2]
             elif opcode == "custom-call" and re.search(r"jit\(t?gmm\)\)*/pallas_call", attributes):
-                # megablox's grouped matmuls (kernels.py's): its lhs [m, k] or [k, m] times n
+                # megablox's grouped matmuls (common.py's): its lhs [m, k] or [k, m] times n
                 lhs = next(dims(o) for o in operands if re.match(r"(bf|f)\d+\[", shapes[o]))
                 total += 2 * math.prod(lhs) * dims(name)[-1]
             elif opcode == "while":
