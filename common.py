@@ -16,6 +16,7 @@ import re
 import signal
 import sys
 import time
+import traceback
 import typing
 import zlib
 from collections.abc import Callable
@@ -132,14 +133,18 @@ def check_ranges(c: TrainingConfig):
 #      as piece(x): Embed, tokens [batch, length] int32 -> activations [batch, length, features];
 #      Block, activations -> activations alike, or (them, a dict of float32 sums over its rows
 #      for the metrics, 'aux_loss_sum' joining the loss); Head, activations -> float32 logits
-#      [batch, length, --vocab-size]. Or one nnx.Module, Model(config, hooks, rngs=rngs), whose
-#      model(tokens) runs `for block in self.blocks: x = block(x)`: cut there (cut_at_blocks). Linen
-#      pieces come in through nnx.bridge (tests/llama.py).
-#   2. Parameters name their axes, nnx.with_partitioning(init, names), e.g. ("embed", "mlp"), for
-#      the scripts that lay them out by name: pjit_tp.py, logical_pjit.py, explicit_sharding.py.
+#      [batch, length, --vocab-size]. Or one nnx.Module made by Model(config, hooks, rngs=rngs)
+#      (a class or a function), its blocks in self.blocks or its one list, nnx.List or
+#      nnx.Sequential of --layers modules: cut there (cut_at_blocks). Linen pieces come in through
+#      nnx.bridge (tests/llama.py). config is the flags: what it ignores stops the run.
+#   2. Parameters name their axes, nnx.with_partitioning(init, names), e.g. ("embed", "mlp"), or
+#      the mesh axes they are split over, P(None, "model") (the rest whole), for the scripts that
+#      lay them out by name: pjit_tp.py, logical_pjit.py, explicit_sharding.py.
 #   3. Attention goes through hooks.attend(q, k, v) (q [batch, length, heads, head_dim]; k, v as
-#      many or fewer heads; causal), positions come from hooks.positions(length); a mixture of
-#      experts reaches them through hooks.to_experts or .dropless, its sequence .whole_sequence.
+#      many or fewer heads; causal; nnx.MultiHeadAttention's causal attention does), positions
+#      come from hooks.positions(length); a mixture of experts reaches them through
+#      hooks.to_experts or .dropless, its sequence .whole_sequence. No layout of its own on the
+#      activations (reshard, out_sharding) but logical constraints: the scripts lay them out.
 #   4. Pieces share no parameter but what the head ties to the embedding, at the same path, in
 #      TIED = ("token/embedding",) (a whole model's head: all it has); no state but parameters
 #      and nnx.Dropout's, seeded per call, off when `deterministic` (as nnx.view sets it).
@@ -302,9 +307,22 @@ def with_tied(head_params, embed_params, tied):
 
 
 def build(piece_class, config, hooks, rng):
-    """A piece, its parameters made from rng (eager sharding off: the scripts lay them out)."""
+    """A piece, its parameters made from rng (eager sharding off: the scripts lay them out); an
+    nnx.MultiHeadAttention in it attends through hooks.attend."""
     with nnx.use_eager_sharding(False):
-        return piece_class(config, hooks, rngs=nnx.Rngs(params=rng, dropout=0))
+        piece = piece_class(config, hooks, rngs=nnx.Rngs(params=rng, dropout=0))
+    for _, layer in nnx.iter_modules(piece):
+        if isinstance(layer, nnx.MultiHeadAttention):
+            layer.attention_fn = functools.partial(_by_hook, hooks.attend, layer.attention_fn)
+    return piece
+
+
+def _by_hook(attend, attention_fn, q, k, v, mask=None, is_causal=False, **options):
+    """nnx.MultiHeadAttention's attention, through hooks.attend where it is causal attention;
+    any other (a mask, dropout of the weights) its own, which context_parallel.py refuses."""
+    if is_causal and mask is None and not options.get("dropout_rate") and not options["module"]:
+        return attend(q, k, v)
+    return attention_fn(q, k, v, mask=mask, is_causal=is_causal, **options)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity, for jax.checkpoint
@@ -352,33 +370,69 @@ def call(piece: PieceDef, module, x):
     return (out, None) if piece.name == "block" and not isinstance(out, tuple) else out
 
 
-def cut_at_blocks(model_class) -> Pieces:
-    """A model written whole, Model(config, hooks, rngs=rngs), cut at its blocks into pieces:
-    Embed runs it to its first block, Head on from its last (the rest, dead code, compiled away)."""
+def cut_at_blocks(make) -> Pieces:
+    """A model written whole, Model(config, hooks, rngs=rngs) (a class or a function), cut at its
+    blocks into pieces: Embed runs it to its first block, Head on from its last (the rest, dead
+    code, compiled away)."""
 
+    def top(config, hooks, *, rngs):  # the model less its blocks, each a piece of its own
+        model = make(config, hooks, rngs=rngs)
+        name = blocks_at(model, config.layers)
+        delattr(model, name)
+        object.__setattr__(model, "__class__", _top(type(model), name))
+        return model
+
+    def block(config, hooks, *, rngs):
+        model = make(config, hooks, rngs=rngs)
+        return _modules(getattr(model, blocks_at(model, config.layers)))[0]
+
+    return Pieces(top, block, top, "all")
+
+
+def blocks_at(model, layers: int) -> str:
+    """Where a whole model keeps its blocks: self.blocks, or else its one list, nnx.List or
+    nnx.Sequential of --layers modules."""
+    found = [k for k, v in vars(model).items() if len(_modules(v)) == layers and k[0] != "_"]
+    name = "blocks" if "blocks" in found else found[0] if len(found) == 1 else None
+    kept = f"keeps {' and '.join(found)}" if found else f"keeps no list of {layers} modules"
+    eg = "e.g. self.blocks = nnx.List([Block(...) for _ in range(config.layers)])"
+    require(name, "model", f"{type(model).__name__} {kept}: keep the blocks in self.blocks, {eg}")
+    return name
+
+
+def _modules(value) -> list:
+    """The modules a list, nnx.List or nnx.Sequential holds, in order (none of anything else)."""
+    value = value.layers if isinstance(value, nnx.Sequential) else value
+    listed = isinstance(value, list | tuple | nnx.List)
+    return list(value) if listed and all(isinstance(m, nnx.Module) for m in value) else []
+
+
+class _Reached(list):
+    """The blocks' stand-in, iterated (for block in self.blocks) or called (nnx.Sequential)."""
+
+    def __call__(self, x, *args, **kwargs):
+        return self[0](x)
+
+
+@functools.cache  # one class per model's: equal graphs, equal classes
+def _top(model_class, name):
     class Top(model_class):  # the model less its blocks
-        def __init__(self, config, hooks, *, rngs):
-            super().__init__(config, hooks, rngs=rngs)
-            del self.blocks  # each a piece of its own
-
         def __call__(self, x):  # tokens (Embed), or the blocks' output (Head)
             tokens, reached = x.ndim == 2, []
 
-            def blocks(y, *_):  # where the blocks ran: Embed keeps their input, Head gives x
+            def blocks(y):  # where the blocks ran: Embed keeps their input, Head gives x
                 reached.append(y)  # (Embed's head runs on zeros laid out anew: no layout's)
                 return jnp.zeros(y.shape, y.dtype) if tokens else x
 
-            self.blocks = [blocks]
+            setattr(self, name, _Reached([blocks]))
             try:
                 out = super().__call__(x if tokens else jnp.zeros(x.shape[:2], jnp.int32))
             finally:
-                del self.blocks
+                delattr(self, name)
             return reached[0] if tokens else out
 
-    def block(config, hooks, *, rngs):
-        return model_class(config, hooks, rngs=rngs).blocks[0]
-
-    return Pieces(Top, block, Top, "all")
+    Top.__name__ = Top.__qualname__ = model_class.__name__  # what errors name: the user's class
+    return Top
 
 
 @dataclasses.dataclass(frozen=True)
@@ -1097,18 +1151,26 @@ def _model_pieces(name: str) -> Pieces:
     """A built-in model, or the Embed, Block, Head (and TIED) of a file or module of yours."""
     if name == "gpt":  # the one built in
         return GPT
-    module = import_yours(name, "model")
-    if not hasattr(module, "Embed") and isinstance(getattr(module, "Model", None), type):
+    module = model_module(name)
+    if not hasattr(module, "Embed") and callable(getattr(module, "Model", None)):
         return cut_at_blocks(module.Model)  # written whole
     pieces = [getattr(module, piece, None) for piece in Pieces._fields[:3]]
     missing = [n for n, p in zip(Pieces._fields, pieces, strict=False) if not isinstance(p, type)]
-    require(not missing, "model", f"{name} defines no {', '.join(missing)}, e.g. --model gpt")
+    forms = "a Model(config, hooks, rngs=rngs) keeping its blocks in a list nor the pieces"
+    lacks = f"Embed, Block and Head (no {', '.join(missing)})"
+    require(not missing, "model", f"{name} defines neither {forms} {lacks}, e.g. --model gpt")
     for field, piece in zip(Pieces._fields, pieces, strict=False):
         linen = "linen's through nnx.bridge, as tests/llama.py"
         require(
             issubclass(piece, nnx.Module), "model", f"{name}: {field} is no nnx.Module ({linen})"
         )
     return Pieces(*pieces, getattr(module, "TIED", ()))
+
+
+@functools.cache
+def model_module(name: str):
+    """The file or module of yours --model names, imported once."""
+    return import_yours(name, "model")
 
 
 def import_yours(name: str, flag_name: str):
@@ -1162,10 +1224,76 @@ def why_not_cudnn(config: TrainingConfig) -> str | None:
 @functools.cache  # one per config, wrap and hooks: a state on shapes must match the real one's
 def make_model(config: TrainingConfig, wrap: Callable | None = None, hooks=Hooks()) -> Model:
     """The model --model names (the TrainState's apply_fn), each piece run through `wrap`."""
-    if hooks.attend is causal_attention:
+    attend = hooks.attend
+    if attend is causal_attention:
         attend = functools.partial(causal_attention, implementation=attention_kernel(config))
-        hooks = dataclasses.replace(hooks, attend=attend)
+    hooks = dataclasses.replace(hooks, attend=functools.partial(as_flagged, attend, config))
     return Model(config, model_pieces(config), wrap, hooks)
+
+
+def as_flagged(attend, config: TrainingConfig, q, k, v):
+    """hooks.attend, once what the model gives it is what the flags say: a model that ignores
+    --heads, --kv-heads or --dtype would train another model in silence."""
+    for name, given, flagged, what in (
+        ("heads", q.shape[-2], config.heads, "heads"),
+        ("kv_heads", k.shape[-2], config.kv_heads or config.heads, "key-value heads"),
+        ("dtype", q.dtype, jnp.dtype(config.dtype), "queries"),
+    ):
+        eg = f"build it from config.{name}, e.g. {flag(name)} {given}"
+        require(given == flagged, name, f"{flagged}: the model attends with {given} {what}: {eg}")
+    return attend(q, k, v)
+
+
+def check_honoured(config: TrainingConfig):
+    """Raise ConfigError naming a flag the model is built without: a size its parameters do not
+    change with, or a --dropout none of its nnx.Dropout layers drops. (The GPT keeps them all.)"""
+    if config.model == "gpt":
+        return
+    try:
+        defs = make_model(config).defs
+    except ConfigError:
+        raise
+    except Exception as error:  # its own code, or a piece built otherwise than the contract says
+        failed = f"--model {config.model} fails when built ({one_line(error)})"
+        built = "each piece is built as Piece(config, hooks, rngs=rngs), e.g. --model gpt"
+        raise ConfigError(f"{model_line(config, error, 'when built') or failed}: {built}") from None
+    shapes = lambda c: jax.eval_shape(lambda: init_params(make_model(c), jax.random.key(0)))  # noqa: E731
+    for name in ("experts", "shared_experts", "mlp_dim"):  # e.g. the GPT's mixture, or none
+        value, unset = getattr(config, name), dataclasses.replace(config, **{name: 0})
+        same = f"{value}: the model's parameters are the same without it: build it from"
+        eg = f"config.{name}, e.g. " + ("--mlp-dim 0" if name == "mlp_dim" else "--model gpt")
+        require(not value or shapes(config) != shapes(unset), name, f"{same} {eg}")
+    merged = [nnx.merge(d.graphdef, d.params, d.streams) for d in defs.values()]
+    layers = [m for piece in merged for _, m in nnx.iter_modules(piece)]
+    rate = max((m.rate for m in layers if isinstance(m, nnx.Dropout)), default=config.dropout)
+    eg = f"{config.dropout}: the model's nnx.Dropout layers drop {rate}: build them from"
+    require(rate == config.dropout, "dropout", f"{eg} config.dropout, e.g. --dropout {rate}")
+
+
+def splits_sequence(config: TrainingConfig, rules) -> bool:
+    """Whether --model's blocks lay their activations out by logical name (constrain, as the
+    GPT's do) so that `rules` split them along the sequence: sequence parallelism by rules."""
+    defs, tokens = make_model(config).defs, jax.ShapeDtypeStruct((1, config.seq_len), jnp.int32)
+    x = jax.eval_shape(lambda p: run_piece(defs["embed"], p, tokens), defs["embed"].params)
+    names, sequence = tuple({*dict(rules).values()}), dict(rules)["length"]
+    mesh = jax.sharding.Mesh(np.reshape(jax.devices()[:1], (1,) * len(names)), names)
+    with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
+        run = jax.make_jaxpr(lambda p, x: run_piece(defs["block"], p, x))
+        jaxpr = run(defs["block"].params, x).jaxpr
+    laid = [e for e in _equations(jaxpr) if e.primitive.name == "sharding_constraint"]
+    specs = [e.params["sharding"].spec for e in laid]
+    return any(len(spec) > 1 and spec[1] == sequence for spec in specs)
+
+
+def _equations(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside it."""
+    for equation in jaxpr.eqns:
+        yield equation
+        for param in equation.params.values():
+            for inner in param if isinstance(param, tuple | list) else [param]:
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's Jaxpr
+                if hasattr(inner, "eqns"):
+                    yield from _equations(inner)
 
 
 class Axes(typing.NamedTuple):
@@ -1186,10 +1314,18 @@ def logical_names(config: TrainingConfig) -> list:
     shapes = jax.eval_shape(lambda: init_params(model, jax.random.key(0)))
     for path, x in flatten_dict(shapes).items():
         scanned = path[0] == "blocks"  # [layers, ...]
-        declared = names["block" if path[0].startswith("block") else path[0], *path[1:]]
-        axes = ("layers",) * scanned + tuple(declared or (None,) * (x.ndim - scanned))
-        found.append(("/".join(path), Axes(x, axes, declared is not None or not x.ndim)))
+        piece = "block" if path[0].startswith("block") else path[0]
+        declared = names[piece, *map(str, path[1:])]  # an nnx.List's or Sequential's keys: ints
+        unnamed = (None,) * (x.ndim - scanned - len(declared or ()))  # a short spec: whole there
+        axes = ("layers",) * scanned + tuple(declared or ()) + unnamed
+        found.append(("/".join(map(str, path)), Axes(x, axes, declared is not None or not x.ndim)))
     return found
+
+
+def names_mesh_axes(config: TrainingConfig, axes) -> bool:
+    """Whether --model names the mesh axes its parameters are split over, as the Flax docs
+    annotate them (P(None, 'model')): the ones it leaves unnamed are whole, as Flax places them."""
+    return any(set(box.names) & set(axes) for _, box in logical_names(config))
 
 
 def is_yours(dataset: str) -> bool:
@@ -1423,6 +1559,7 @@ class Config(TrainingConfig):
         """Raise ConfigError naming the first bad flag; a script adds its flags' checks."""
         check_flags(self)
         model_pieces(self)  # a --model that cannot be loaded is bad input too
+        check_honoured(self)
 
 
 def check_flags(c: Config):
@@ -1755,12 +1892,14 @@ def check_checkpoint(config: Config):
 CPU_COMPILER_OPTIONS = {"xla_disable_hlo_passes": "cse_barrier_expander"}
 
 
-def compile_step(step_fn, *args):
+def compile_step(config: Config, step_fn, *args):
     """Compile for the arguments' shapes and shardings (arrays or ShapeDtypeStructs): a step too
-    big for the devices stops here, before anything is allocated. The loop runs this program."""
+    big for the devices, or a model whose own code fails in it, stops here in one line, before
+    anything is allocated. The loop runs this program."""
     start = time.perf_counter()
     cpu = jax.default_backend() == "cpu" and hasattr(step_fn, "trace")  # pmap's take no options
-    compiled = step_fn.lower(*args).compile(compiler_options=CPU_COMPILER_OPTIONS if cpu else {})
+    lowered = lower_step(config, step_fn, *args)
+    compiled = lowered.compile(compiler_options=CPU_COMPILER_OPTIONS if cpu else {})
     seconds = time.perf_counter() - start
     memory, have = compiled.memory_analysis(), device_memory()
     sizes = ("argument", "output", "temp")
@@ -1770,6 +1909,32 @@ def compile_step(step_fn, *args):
         have = f"a {jax.local_devices()[0].platform} device has {have / 1e9:,.1f} GB"
         exit_bad_input(f"the train step needs {need / 1e9:,.1f} GB per device, {have}: {fix}")
     return compiled, seconds
+
+
+def lower_step(config: Config, step_fn, *args):
+    """The step traced and lowered; a flag the model does not honour, or its own code failing
+    in it, one line (exit 2)."""
+    try:
+        return step_fn.lower(*args)
+    except Exception as error:
+        line = str(error) if isinstance(error, ConfigError) else model_line(config, error)
+        if not line:
+            raise
+        exit_bad_input(line)
+
+
+def model_line(config: TrainingConfig, error: Exception, when="in the step") -> str | None:
+    """An error raised in --model's own file, as one line naming its line; None if elsewhere."""
+    file = config.model != "gpt" and os.path.abspath(model_module(config.model).__file__)
+    tb = traceback.extract_tb(error.__traceback__)
+    frame = next((f for f in reversed(tb) if os.path.abspath(f.filename) == file), None)
+    if frame is None:
+        return None
+    where = f"--model {config.model}, line {frame.lineno}: {frame.line}"
+    why = re.split(r"(?<=\.) ", one_line(error))[0]  # its first sentence
+    if re.search(r"reshard|sharding|device_put", frame.line):  # the layout the script makes
+        return f"{where} lays out activations itself, which fails here ({why}): remove it"
+    return f"{where} fails {when} ({why})"
 
 
 def device_memory() -> int | None:

@@ -374,7 +374,7 @@ def main(config):
     batch_shapes = jax.ShapeDtypeStruct(
         (config.batch_size, 2, config.seq_len), np.int32, sharding=NamedSharding(mesh, BATCH_SPEC)
     )
-    compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
+    compiled, compile_seconds = common.compile_step(config, step_fn, state_shapes, batch_shapes)
     state = init_state(config, mesh)
     checkpoints = common.Checkpoints(config)
     state, start = checkpoints.restore(state)

@@ -281,7 +281,7 @@ def main(config):
     # Compiled for the shapes of the state and of a batch, before either exists: a step too big
     # for the devices stops here, with one line, before anything is allocated.
     batch_shapes = common.batch_shape(config, NamedSharding(mesh, BATCH_SPEC))
-    compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
+    compiled, compile_seconds = common.compile_step(config, step_fn, state_shapes, batch_shapes)
     state = init_state(config, mesh)
     checkpoints = common.Checkpoints(config)
     state, start = checkpoints.restore(state)

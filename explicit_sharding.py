@@ -100,9 +100,10 @@ class Config(common.Config):
         return {"data": n // model, "model": model}
 
     def axis_size(self, logical_name):
-        """How many ways the rules split a logical axis on this mesh."""
+        """How many ways the rules split a logical axis on this mesh (a mesh axis's name, as the
+        Flax docs annotate parameters, P(None, 'model'): over that axis)."""
         shape = self.mesh_axes()
-        axes = dict(RULES[self.rules]).get(logical_name, ())
+        axes = dict(RULES[self.rules]).get(logical_name, (logical_name,) * (logical_name in shape))
         return functools.reduce(
             lambda n, axis: n * shape[axis], (axes,) if isinstance(axes, str) else axes, 1
         )
@@ -133,7 +134,8 @@ class Config(common.Config):
         )
         # Every parameter names its axes: the rules lay out by name (unnamed, it would replicate)
         boxes = common.logical_names(self)
-        nameless = [f"{path} {box.value.shape}" for path, box in boxes if not box.declared]
+        whole = common.names_mesh_axes(self, self.mesh_axes())  # the rest: as Flax places them
+        nameless = [f"{p} {box.value.shape}" for p, box in boxes if not box.declared and not whole]
         common.require(
             not nameless,
             "model",
@@ -144,7 +146,7 @@ class Config(common.Config):
         # Every axis name the rules and UNSPLIT do not know, at once (the first parameter of each)
         ruled, unknown = dict(RULES[self.rules]), {}
         for path, box in boxes:
-            for name in set(box.names) - set(ruled) - set(UNSPLIT) - {None}:
+            for name in set(box.names) - {*ruled, *UNSPLIT, *self.mesh_axes(), None}:
                 unknown.setdefault(name, f"{path} {box.value.shape}")
         common.require(
             not unknown,
@@ -154,6 +156,14 @@ class Config(common.Config):
             + ", and UNSPLIT does not name them: add a rule for each to RULES (e.g. "
             f'("{next(iter(unknown), "")}", "model")), or add them to UNSPLIT to keep them '
             f"whole: {', '.join(map(repr, unknown))}",
+        )
+        sequence = dict(RULES[self.rules]).get("length")  # tp_sp: the sequence over 'model'
+        own = [path for path, box in boxes if sequence and sequence in box.names]
+        common.require(
+            not own,
+            "rules",
+            f"{self.rules} splits the sequence over '{sequence}' between the matmuls, where the "
+            f"model splits {', '.join(own[:2])} over '{sequence}' itself: e.g. --rules tp",
         )
         common.require(
             self.seq_len % self.axis_size("length") == 0,
@@ -270,14 +280,20 @@ def replace(module, path, layer):
 
 
 def matmul(x, kernel, dims, precision=None, out_sharding=None, sequence=None, **kwargs):
-    """lax.dot_general, its result's layout stated where its partial sums land (state_layouts)."""
-    x_spec, kernel_spec = jax.typeof(x).sharding.spec, jax.typeof(kernel).sharding.spec
-    contracted = axes_of(kernel_spec[-2])  # the kernel's input axis: [..., in, out]
-    in_sequence = sequence and x.ndim == 3  # [rows, length, features]
-    if contracted and contracted == axes_of(x_spec[-1]):
-        out_sharding = P(*x_spec[:-1], kernel_spec[-1])
+    """lax.dot_general, its result's layout stated where its partial sums land (state_layouts):
+    any kernel's, [in, out] or nnx.LinearGeneral's ([embed, heads, head_dim], ...)."""
+    (x_in, kernel_in), (x_batch, kernel_batch) = dims
+    x_spec, kernel_spec = (jax.typeof(t).sharding.spec for t in (x, kernel))
+    pairs = zip(x_in, kernel_in, strict=True)  # the contracted axes, x's and the kernel's
+    split = [(axes_of(x_spec[a]), axes_of(kernel_spec[b])) for a, b in pairs]
+    in_sequence = sequence and x.ndim >= 3 and not x_batch  # [rows, length, features...]
+    if any(k for _, k in split) and all(a == k for a, k in split):  # each device a part
+        free = [d for d in range(x.ndim) if d not in (*x_in, *x_batch)]
+        out = [x_spec[d] for d in (*x_batch, *free)]  # dot_general's order: batch, x's, kernel's
+        out += [kernel_spec[d] for d in range(kernel.ndim) if d not in (*kernel_in, *kernel_batch)]
         if in_sequence:  # the sums land in sequence pieces: a reduce-scatter
-            out_sharding = P(x_spec[0], sequence, kernel_spec[-1])
+            out[1] = sequence
+        out_sharding = P(*out)
     elif in_sequence:  # a column-parallel matmul (or a whole one) takes the whole sequence
         x = along_sequence(x, None)
     return jax.lax.dot_general(x, kernel, dims, precision, out_sharding=out_sharding, **kwargs)
@@ -289,7 +305,9 @@ class Lookup(nnx.Module):
     def __init__(self, embed, sequence):
         self.embed, self.sequence = embed, sequence
 
-    def __call__(self, tokens):
+    def __call__(self, tokens, out_sharding=None):
+        if out_sharding is not None:  # the model states its own
+            return self.embed(tokens, out_sharding=out_sharding)
         table = self.embed.embedding[...].astype(self.embed.dtype or jnp.float32)
         features, spec = jax.typeof(table).sharding.spec[-1], jax.typeof(tokens).sharding.spec
         if self.sequence and tokens.ndim == 1:  # positions, [length]: their pieces of the table
@@ -450,7 +468,7 @@ def main(config):
     # The mesh the types name, while tracing. (No rules: the model's logical constraints on its
     # activations stay inert; each activation's type follows from its inputs'.)
     with jax.set_mesh(mesh):
-        compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
+        compiled, compile_seconds = common.compile_step(config, step_fn, state_shapes, batch_shapes)
     state = init_state(config, mesh)
     checkpoints = common.Checkpoints(config)
     state, start = checkpoints.restore(state)

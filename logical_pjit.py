@@ -99,9 +99,10 @@ class Config(common.Config):
         return {"data": n // model, "model": model}
 
     def axis_size(self, logical_name):
-        """How many ways the rules split a logical axis on this mesh."""
+        """How many ways the rules split a logical axis on this mesh (a mesh axis's name, as the
+        Flax docs annotate parameters, P(None, 'model'): over that axis)."""
         shape = self.mesh_axes()
-        axes = dict(RULES[self.rules]).get(logical_name, ())
+        axes = dict(RULES[self.rules]).get(logical_name, (logical_name,) * (logical_name in shape))
         return functools.reduce(
             lambda n, axis: n * shape[axis], (axes,) if isinstance(axes, str) else axes, 1
         )
@@ -132,7 +133,8 @@ class Config(common.Config):
         )
         # Every parameter names its axes: the rules lay out by name (unnamed, it would replicate)
         boxes = common.logical_names(self)
-        nameless = [f"{path} {box.value.shape}" for path, box in boxes if not box.declared]
+        whole = common.names_mesh_axes(self, self.mesh_axes())  # the rest: as Flax places them
+        nameless = [f"{p} {box.value.shape}" for p, box in boxes if not box.declared and not whole]
         common.require(
             not nameless,
             "model",
@@ -143,7 +145,7 @@ class Config(common.Config):
         # Every axis name the rules and UNSPLIT do not know, at once (the first parameter of each)
         ruled, unknown = dict(RULES[self.rules]), {}
         for path, box in boxes:
-            for name in set(box.names) - set(ruled) - set(UNSPLIT) - {None}:
+            for name in set(box.names) - {*ruled, *UNSPLIT, *self.mesh_axes(), None}:
                 unknown.setdefault(name, f"{path} {box.value.shape}")
         common.require(
             not unknown,
@@ -153,6 +155,20 @@ class Config(common.Config):
             + ", and UNSPLIT does not name them: add a rule for each to RULES (e.g. "
             f'("{next(iter(unknown), "")}", "model")), or add them to UNSPLIT to keep them '
             f"whole: {', '.join(map(repr, unknown))}",
+        )
+        sequence = dict(RULES[self.rules]).get("length")  # tp_sp: the sequence over 'model'
+        own = [path for path, box in boxes if sequence and sequence in box.names]
+        common.require(
+            not sequence or common.splits_sequence(self, RULES[self.rules]),
+            "rules",
+            f"{self.rules} splits what the model's activations name 'length' (common.constrain, "
+            "as the GPT's blocks do), and this model names none: name them, or e.g. --rules tp",
+        )
+        common.require(
+            not own,
+            "rules",
+            f"{self.rules} splits the sequence over '{sequence}' between the matmuls, where the "
+            f"model splits {', '.join(own[:2])} over '{sequence}' itself: e.g. --rules tp",
         )
         common.require(
             self.seq_len % self.axis_size("length") == 0,
@@ -272,7 +288,7 @@ def main(config):
     batch_shapes = common.batch_shape(config, batch_sharding(mesh, rules))
     # The activations' logical constraints resolve against these rules and mesh while tracing.
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-        compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
+        compiled, compile_seconds = common.compile_step(config, step_fn, state_shapes, batch_shapes)
     state = init_state(config, mesh)
     checkpoints = common.Checkpoints(config)
     state, start = checkpoints.restore(state)

@@ -131,14 +131,24 @@ class Config(common.Config):
             "virtual_stages",
             "must be at least 2, e.g. --virtual-stages 2 (one group per stage is --schedule 1f1b)",
         )
-        stages, groups = self.mesh_axes()["stage"], self.virtual()
+        stages, groups, n = self.mesh_axes()["stage"], self.virtual(), jax.device_count()
+        split = stages if stages > 1 or n % 2 else 2  # one stage pipelines nothing (below)
         common.require(
             self.layers % (stages * groups) == 0,
             "layers",
-            f"{self.layers} must split evenly over stage={stages}"
+            f"{self.layers} must split evenly over stage={split}"
             + (f" x {groups} groups" if groups > 1 else "")
-            + f", e.g. --layers {stages * groups * max(1, self.layers // (stages * groups))}",
+            + f", e.g. --layers {split * groups * max(1, self.layers // (split * groups))}",
         )
+        if stages == 1 and n % 2 == 0:  # nothing pipelined: a mesh of 2 stages, and what it takes
+            layers = 2 * groups * -(-self.layers // (2 * groups))
+            m = next(
+                m for m in range(self.microbatches, 2 * self.microbatches + 2) if self.takes(m, 2)
+            )
+            eg = f"--mesh data={n // 2},stage=2" + f" --layers {layers}" * (layers != self.layers)
+            eg += f" --microbatches {m}" * (m != self.microbatches)
+            why = f"gives stage=1 under --schedule {self.schedule}: nothing is pipelined"
+            common.require(False, "mesh", f"{self.mesh} {why}; e.g. {eg}")
         data = self.mesh_axes()["data"]
         fits = [  # micro-batch counts this batch splits into, which the schedule takes
             m
@@ -848,7 +858,7 @@ def main(config):
     # Compiled for the shapes of the state and of a batch, before either exists: a step too big
     # for the devices stops here, with one line, before anything is allocated.
     batch_shapes = common.batch_shape(config, NamedSharding(mesh, BATCH_SPEC))
-    compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
+    compiled, compile_seconds = common.compile_step(config, step_fn, state_shapes, batch_shapes)
     state = init_state(config, mesh)
     # Saved block by block, unstacked
     checkpoints = common.Checkpoints(config, to_saved, from_saved)

@@ -104,6 +104,12 @@ class Config(common.Config):
             f"model={model}, it must be a multiple of it, e.g. --seq-len "
             f"{model * max(1, self.seq_len // model)}",
         )
+        common.require(
+            not self.sequence_parallel or common.splits_sequence(self, SEQUENCE_PARALLEL),
+            "sequence_parallel",
+            "splits what the model's activations name 'length' (common.constrain, as the GPT's "
+            "blocks do), and this model names none: name them, e.g. --no-sequence-parallel",
+        )
         # Every parameter in PARAM_SPECS: all the ones missing named at once, with their entries
         missing, whole = uncovered(self)
         nameless = [f"{path} {shape}" for path, shape, spec in missing.values() if spec is None]
@@ -124,10 +130,13 @@ class Config(common.Config):
             + " ".join(f'(r"{pattern}", {spec}),' for pattern, (*_, spec) in missing.items())
             + (f"; {whole[0]}" if whole else ""),
         )
-        jax.tree_util.tree_map_with_path(state_spec, common.model_shapes(self))
+        specs = param_specs(self)
+        jax.tree_util.tree_map_with_path(
+            lambda path, leaf: state_spec(path, leaf, specs), common.model_shapes(self)
+        )
         # Every axis an entry splits over 'model' splits evenly
         for path, box in common.logical_names(self):
-            spec = next(spec for pattern, spec in PARAM_SPECS if re.search(pattern, path))
+            spec = next(spec for pattern, spec in specs if re.search(pattern, path))
             for axis, size in zip(spec, box.value.shape[-len(spec) :] if spec else (), strict=True):
                 whole = whole_axis(self, path, box, size)
                 common.require(axis != "model" or size % model == 0, "mesh", whole)
@@ -183,7 +192,7 @@ def uncovered(config):
     that does not, which its entry keeps whole."""
     model, found, whole = config.mesh_axes()["model"], {}, []
     for path, box in common.logical_names(config):
-        if not any(re.search(pattern, path) for pattern, _ in PARAM_SPECS):
+        if not any(re.search(pattern, path) for pattern, _ in param_specs(config)):
             pattern = re.escape(re.sub(r"^(block_\d+|blocks)/", "/", path)) + "$"
             megatron = [(n in MEGATRON, s) for n, s in zip(box.names, box.value.shape, strict=True)]
             axes = ["'model'" if m and s % model == 0 else "None" for m, s in megatron]
@@ -215,12 +224,24 @@ def whole_axis(config, path, box, size):
 MEGATRON = ("heads", "kv_heads", "mlp", "vocab")  # the logical axes split over 'model'
 
 
-def state_spec(path, leaf):
+def param_specs(config):
+    """PARAM_SPECS, then each parameter the model itself lays out over this mesh's axes (as the
+    Flax docs annotate one: P(None, 'model')), no entry covering it: its own; in such a model,
+    one it leaves unnamed is whole, as Flax places it."""
+    own, whole = [], common.names_mesh_axes(config, config.mesh_axes())  # unnamed: replicated
+    for path, box in common.logical_names(config):
+        names = box.names[1:] if path.startswith("blocks/") else box.names  # scanned: 'layers'
+        if box.declared and set(names) <= {*config.mesh_axes(), None} or whole:
+            own.append((f"(^|/){re.escape(path)}$", P(*names)))
+    return PARAM_SPECS + tuple(own)
+
+
+def state_spec(path, leaf, specs=None):
     """The PartitionSpec of one leaf of the state: its parameter's (Adam's moments end with the
     parameter's path), or P() for a number (step counters, the random key)."""
     name = jax.tree_util.keystr(path, simple=True, separator="/")
     spec = next(
-        (spec for pattern, spec in PARAM_SPECS if re.search(pattern, name)),
+        (spec for pattern, spec in specs or PARAM_SPECS if re.search(pattern, name)),
         None if leaf.ndim else P(),
     )
     if spec is None:
@@ -232,16 +253,17 @@ def state_spec(path, leaf):
     return P(*[None] * (leaf.ndim - len(spec)), *spec) if spec else spec
 
 
-def state_shardings(abstract_state, mesh):
+def state_shardings(abstract_state, mesh, specs):
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, state_spec(path, x)), abstract_state
+        lambda path, x: NamedSharding(mesh, state_spec(path, x, specs)), abstract_state
     )
 
 
 def init_state(config, mesh, shapes_only=False):
     create = functools.partial(common.create_state, config, common.make_model(config))
     # Each device computes only its own shards: the full model never exists on one device.
-    create = jax.jit(create, out_shardings=state_shardings(jax.eval_shape(create), mesh))
+    specs = state_shardings(jax.eval_shape(create), mesh, param_specs(config))
+    create = jax.jit(create, out_shardings=specs)
     # The state itself, or only its shapes and shardings (nothing allocated) to compile for.
     return create.eval_shape() if shapes_only else create()
 
@@ -290,7 +312,7 @@ def main(config):
     # without --sequence-parallel: the compiler lays the activations out from the parameters).
     rules = SEQUENCE_PARALLEL if config.sequence_parallel else ()
     with jax.set_mesh(mesh), nnx.logical_axis_rules(rules):
-        compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
+        compiled, compile_seconds = common.compile_step(config, step_fn, state_shapes, batch_shapes)
     state = init_state(config, mesh)
     checkpoints = common.Checkpoints(config)
     state, start = checkpoints.restore(state)

@@ -110,7 +110,7 @@ def main(config):
     # pmap compiles for arrays, not shapes (with several processes it assembles its arguments
     # from every process's pieces), so its step is checked to fit in memory once the state exists.
     first_batch = device_batch(common.host_batch(dataset, config, 0))
-    compiled, compile_seconds = common.compile_step(step_fn, state, first_batch)
+    compiled, compile_seconds = common.compile_step(config, step_fn, state, first_batch)
     # Saved as one copy, not one per device
     checkpoints = common.Checkpoints(config, to_saved, from_saved)
     state, start = checkpoints.restore(state)

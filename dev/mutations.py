@@ -176,8 +176,8 @@ BUGS = [
     ),
     Bug(
         "pjit_tp.py",
-        "lambda path, x: NamedSharding(mesh, state_spec(path, x)), abstract_state\n    )",
-        "lambda path, x: NamedSharding(mesh, state_spec(path, x)), abstract_state\n    "
+        "lambda path, x: NamedSharding(mesh, state_spec(path, x, specs)), abstract_state\n    )",
+        "lambda path, x: NamedSharding(mesh, state_spec(path, x, specs)), abstract_state\n    "
         ").replace(opt_state=jax.tree.map(lambda x: NamedSharding(mesh, P()), "
         "abstract_state.opt_state))",
         "pjit_tp.py keeps Adam's moments whole on every device (moments unsharded)",

@@ -238,7 +238,7 @@ def main(config):
         donate_argnums=0,
     )
     batch_shapes = common.batch_shape(config, NamedSharding(mesh, batch_spec))
-    compiled, compile_seconds = common.compile_step(step_fn, state_shapes, batch_shapes)
+    compiled, compile_seconds = common.compile_step(config, step_fn, state_shapes, batch_shapes)
     state = logical_pjit.init_state(config, mesh)
     report = common.cost_report(config, state, compiled, compile_seconds)
     layout = f"mesh data={mesh.shape['data']},model={mesh.shape['model']}, FSDP+TP by hand"

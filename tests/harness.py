@@ -72,6 +72,9 @@ TINY = [
     "1",
 ]
 
+# pipeline.py's TINY: two stages of a layer, a micro-batch each (one stage pipelines nothing)
+PIPELINED = ["--layers", "2", "--microbatches", "2"]
+
 SCRIPTS = {
     "pmap_dp": pmap_dp,
     "shardmap_dp": shardmap_dp,

@@ -2,9 +2,10 @@
 particular: learned token and position embeddings, nnx.MultiHeadAttention with a causal mask, an
 MLP in nnx.Sequential, LayerNorm after each residual sum, the blocks in nnx.Sequential, an output
 nnx.Linear of its own, the parameters annotated with the mesh axes they are split over (as the
-docs do: the embeddings not), and the layouts of the token lookup and the logits stated with
-out_sharding and reshard. tests/minigpt.py is this file with the changes the scripts' contract
-asks for (tests/test_your_model.py counts them)."""
+docs do: the embeddings not), the layouts of the token lookup and of the logits stated with
+out_sharding and reshard, its sizes module constants. It runs under a mesh with a 'model' axis.
+tests/minigpt.py is this file with the changes the scripts' contract asks for
+(tests/test_your_model.py counts them)."""
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +13,18 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 from jax.sharding import reshard
 
+vocab_size = 256
+num_transformer_blocks = 2
+maxlen = 32
+embed_dim = 64
+num_heads = 4
+feed_forward_dim = 256
+
 
 class TransformerBlock(nnx.Module):
-    def __init__(self, embed_dim, num_heads, ff_dim, *, rngs: nnx.Rngs, rate: float = 0.1):
+    def __init__(
+        self, embed_dim: int, num_heads: int, ff_dim: int, *, rngs: nnx.Rngs, rate: float = 0.1
+    ):
         self.mha = nnx.MultiHeadAttention(
             num_heads=num_heads,
             in_features=embed_dim,
@@ -24,24 +34,24 @@ class TransformerBlock(nnx.Module):
         )
         self.dropout1 = nnx.Dropout(rate=rate, rngs=rngs)
         self.layer_norm1 = nnx.LayerNorm(
-            embed_dim,
             epsilon=1e-6,
+            num_features=embed_dim,
             scale_metadata={"out_sharding": P("model")},
             bias_metadata={"out_sharding": P("model")},
             rngs=rngs,
         )
         self.mlp = nnx.Sequential(
             nnx.Linear(
-                embed_dim,
-                ff_dim,
+                in_features=embed_dim,
+                out_features=ff_dim,
                 kernel_metadata={"out_sharding": P(None, "model")},
                 bias_metadata={"out_sharding": P("model")},
                 rngs=rngs,
             ),
             nnx.relu,
             nnx.Linear(
-                ff_dim,
-                embed_dim,
+                in_features=ff_dim,
+                out_features=embed_dim,
                 kernel_metadata={"out_sharding": P(None, "model")},
                 bias_metadata={"out_sharding": P("model")},
                 rngs=rngs,
@@ -49,8 +59,8 @@ class TransformerBlock(nnx.Module):
             nnx.Dropout(rate=rate, rngs=rngs),
         )
         self.layer_norm2 = nnx.LayerNorm(
-            embed_dim,
             epsilon=1e-6,
+            num_features=embed_dim,
             scale_metadata={"out_sharding": P("model")},
             bias_metadata={"out_sharding": P("model")},
             rngs=rngs,
@@ -58,14 +68,31 @@ class TransformerBlock(nnx.Module):
 
     def __call__(self, inputs):
         attention_output = self.mha(inputs_q=inputs, is_causal=True, decode=False)
-        out1 = self.layer_norm1(inputs + self.dropout1(attention_output))
-        return self.layer_norm2(out1 + self.mlp(out1))
+        attention_output = self.dropout1(attention_output)
+        out1 = self.layer_norm1(inputs + attention_output)
+        ffn_output = self.mlp(out1)
+        return self.layer_norm2(out1 + ffn_output)
 
 
 class TokenAndPositionEmbedding(nnx.Module):
-    def __init__(self, maxlen, vocab_size, embed_dim, *, rngs: nnx.Rngs):
-        self.token_emb = nnx.Embed(num_embeddings=vocab_size, features=embed_dim, rngs=rngs)
-        self.pos_emb = nnx.Embed(num_embeddings=maxlen, features=embed_dim, rngs=rngs)
+    def __init__(
+        self,
+        maxlen: int,
+        vocab_size: int,
+        embed_dim: int,
+        *,
+        rngs: nnx.Rngs,
+    ):
+        self.token_emb = nnx.Embed(
+            num_embeddings=vocab_size,
+            features=embed_dim,
+            rngs=rngs,
+        )
+        self.pos_emb = nnx.Embed(
+            num_embeddings=maxlen,
+            features=embed_dim,
+            rngs=rngs,
+        )
 
     def __call__(self, x):
         positions = jnp.arange(0, x.shape[1])[None, :]
@@ -76,18 +103,35 @@ class TokenAndPositionEmbedding(nnx.Module):
 
 class MiniGPT(nnx.Module):
     def __init__(
-        self, maxlen, vocab_size, embed_dim, num_heads, feed_forward_dim, num_blocks, *, rngs
+        self,
+        maxlen: int,
+        vocab_size: int,
+        embed_dim: int,
+        num_heads: int,
+        feed_forward_dim: int,
+        num_transformer_blocks: int,
+        rngs: nnx.Rngs,
     ):
-        self.embedding_layer = TokenAndPositionEmbedding(maxlen, vocab_size, embed_dim, rngs=rngs)
+        self.embedding_layer = TokenAndPositionEmbedding(
+            maxlen,
+            vocab_size,
+            embed_dim,
+            rngs=rngs,
+        )
         self.transformer_blocks = nnx.Sequential(
             *[
-                TransformerBlock(embed_dim, num_heads, feed_forward_dim, rngs=rngs)
-                for _ in range(num_blocks)
+                TransformerBlock(
+                    embed_dim,
+                    num_heads,
+                    feed_forward_dim,
+                    rngs=rngs,
+                )
+                for _ in range(num_transformer_blocks)
             ]
         )
         self.output_layer = nnx.Linear(
-            embed_dim,
-            vocab_size,
+            in_features=embed_dim,
+            out_features=vocab_size,
             kernel_metadata={"out_sharding": P(None, "model")},
             bias_metadata={"out_sharding": P("model")},
             rngs=rngs,
@@ -97,3 +141,15 @@ class MiniGPT(nnx.Module):
         x = self.embedding_layer(inputs)
         x = self.transformer_blocks(x)
         return reshard(self.output_layer(x), jax.typeof(inputs).sharding)
+
+
+def create_model(rngs):
+    return MiniGPT(
+        maxlen,
+        vocab_size,
+        embed_dim,
+        num_heads,
+        feed_forward_dim,
+        num_transformer_blocks=num_transformer_blocks,
+        rngs=rngs,
+    )

@@ -20,6 +20,7 @@ import pytest
 import common
 from tests.harness import (
     DEFAULTS,
+    PIPELINED,
     ROOT,
     RTOL,
     SCRIPTS,
@@ -58,8 +59,15 @@ ALL_MESH_SCRIPTS = (
     "expert_parallel",
     "explicit_sharding",
 )
+
+
 # (flags, the scripts they apply to, what the one-line error must say). Every message names the
 # flag and gives a valid example ("e.g."), except argparse's own for unknown flags and values.
+def tiny(script):
+    """TINY, and for pipeline.py two stages (PIPELINED)."""
+    return [*TINY, *PIPELINED * (script == "pipeline")]
+
+
 BAD_INPUTS = [
     (["--batch-size", "9"], SCRIPTS, "--batch-size must be divisible by"),
     (
@@ -160,7 +168,7 @@ BAD_INPUTS = [
     ),
     (["--schedule", "zigzag"], ("pipeline",), "argument --schedule: invalid choice: 'zigzag'"),
     (
-        ["--schedule", "interleaved", "--virtual-stages", "1", "--layers", "2"],
+        ["--schedule", "interleaved", "--virtual-stages", "1", "--layers", "4"],
         ("pipeline",),
         "--virtual-stages must be at least 2",
     ),
@@ -175,10 +183,16 @@ BAD_INPUTS = [
     (
         ["--schedule", "interleaved", "--layers", "3"],
         ("pipeline",),
-        "--layers 3 must split evenly over stage=1 x 2 groups, e.g. --layers 2",
+        "--layers 3 must split evenly over stage=2 x 2 groups, e.g. --layers 4",
     ),
     (
-        ["--virtual-stages", "3", "--layers", "3"],
+        ["--schedule", "interleaved", "--layers", "2"],
+        ("pipeline",),
+        "--mesh auto gives stage=1 under --schedule interleaved: nothing is pipelined; e.g. --mesh "
+        "data=4,stage=2 --layers 4",
+    ),
+    (
+        ["--virtual-stages", "3", "--layers", "6"],
         ("pipeline",),
         "--virtual-stages is for --schedule interleaved only",
     ),
@@ -248,7 +262,43 @@ BAD_INPUTS = [
     (
         ["--model", "tests/llama.py"],
         ("expert_parallel",),
-        "has no parameter with an axis named 'expert'",
+        "--experts 8: the model's parameters are the same without it",
+    ),
+    # A flag the model does not honour, refused where the scripts see it (before: ignored)
+    (
+        ["--model", "tests/minigpt.py", "--dtype", "bfloat16"],
+        ("fsdp",),
+        "--dtype bfloat16: the model attends with float32 queries",
+    ),
+    (
+        ["--model", "tests/minigpt.py", "--kv-heads", "2"],
+        ("shardmap_dp",),
+        "--kv-heads 2: the model attends with 4 key-value heads",
+    ),
+    (
+        ["--model", "tests/minigpt.py", "--experts", "4"],
+        ("fsdp",),
+        "--experts 4: the model's parameters are the same without it",
+    ),
+    (
+        ["--model", "tests/minigpt.py", "--sequence-parallel"],
+        ("pjit_tp",),
+        "--sequence-parallel splits what the model's activations name 'length'",
+    ),
+    (
+        ["--model", "tests.docs_model", "--kv-heads", "2", "--rules", "tp_sp"],
+        ("logical_pjit",),
+        "--rules tp_sp splits what the model's activations name 'length'",
+    ),
+    (
+        ["--model", "tests/minigpt.py", "--rules", "tp_sp"],
+        ("explicit_sharding",),
+        "--rules tp_sp splits the sequence over 'model' between the matmuls, where the model",
+    ),
+    (
+        ["--model", "tests/minigpt_as_written.py"],
+        ("shardmap_dp",),
+        "defines neither a Model(config, hooks, rngs=rngs) keeping its blocks in a list nor",
     ),
     (["--steps", "0"], SCRIPTS, "--steps must be at least 1"),
     (["--layers", "0"], SCRIPTS, "--layers must be at least 1"),
@@ -359,7 +409,7 @@ def test_bad_input_exits_2_with_one_line(script, flags, message, tmp_path, capsy
     module = SCRIPTS[script]
     compiled_before = len(COMPILATIONS)
     with pytest.raises(SystemExit) as exit_info:
-        module.main(common.parse_config(module.Config, module.__doc__, [*TINY, *flags]))
+        module.main(common.parse_config(module.Config, module.__doc__, [*tiny(script), *flags]))
     out, err = capsys.readouterr()
     assert exit_info.value.code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and message in err, err
@@ -370,7 +420,7 @@ def test_bad_input_exits_2_with_one_line(script, flags, message, tmp_path, capsy
         # and its flags, given too, pass every check (a suggestion that fails the next one sends
         # the user round in circles); a cluster's start processes: tests/test_multi_process.py
         given = example(module, err)
-        fixed = common.parse_config(module.Config, None, [*TINY, *flags, *given])
+        fixed = common.parse_config(module.Config, None, [*tiny(script), *flags, *given])
         if given and fixed.num_processes == 1 and not fixed.coordinator_address:
             monkeypatch.chdir(tmp_path)
             common.setup(fixed)
@@ -429,7 +479,7 @@ def test_same_flags_same_losses_bitwise(name):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_bad_batch_size_exits_2_with_one_line(script, tmp_path):
-    done = run_script(script, tmp_path, *TINY, "--batch-size", "9")  # no mesh here splits 9 rows
+    done = run_script(script, tmp_path, *tiny(script), "--batch-size", "9")  # no mesh splits 9
     assert done.returncode == 2
     assert done.stdout == ""
     assert len(done.stderr.strip().splitlines()) == 1 and "--batch-size" in done.stderr, done.stderr

@@ -312,18 +312,19 @@ def test_the_readmes_line_counts_are_the_files():
 
 def test_common_py_keeps_its_parts_within_their_bounds():
     """common.py: the lesson, then the cost report (at most 100 lines: the rest of the HLO reading
-    went to tools/hlo.py, 312 -> 98), then the harness (at most 560: compile_step and
+    went to tools/hlo.py, 312 -> 98), then the harness (at most 590: compile_step and
     show_sharding came from the cost report, 496 -> 545; the loop's exits, StopSignals and
-    stop_if_not_finite, out of Checkpoints and Logger, 15), 1,951 in all (the TPU's kernels
-    moved in from kernels.py, so that a copy of two files runs on a TPU);
-    what a copier of fsdp.py carries is what the README says."""
+    stop_if_not_finite, out of Checkpoints and Logger, 15; a model's own failure in the step in
+    one line, 29), 2,116 in all (the TPU's kernels moved in from kernels.py, so that a copy of
+    two files runs on a TPU, 148; any model the Flax docs write, the flags it ignores refused,
+    165); what a copier of fsdp.py carries is what the README says."""
     lines = (ROOT / "common.py").read_text().splitlines()
     cost = (
         lines.index("# What a run costs, measured from the real arrays and the compiled step") - 1
     )
     harness = next(i for i, line in enumerate(lines) if line.startswith("# THE HARNESS")) - 1
-    assert 0 < cost < harness and harness - cost <= 100 and len(lines) - harness <= 560
-    assert len(lines) <= 1951
+    assert 0 < cost < harness and harness - cost <= 100 and len(lines) - harness <= 590
+    assert len(lines) <= 2116
     readme = (ROOT / "README.md").read_text()
     carried = int(
         re.search(r"A copier of `fsdp.py` carries ([\d,]+) lines", readme)[1].replace(",", "")

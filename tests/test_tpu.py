@@ -50,11 +50,9 @@ def compile_for(script, tmp_path, *flags, topology=TOPOLOGY):
     return done, summary, hlo.read_text()
 
 
-@pytest.mark.parametrize("script", matrix(list(NAMED), ["fsdp"]))
-def test_every_script_compiles_for_a_tpu_slice(script, tmp_path):
+def the_report_is_the_programs(done, summary, text, batch):
     """The report is the TPU program's, nothing run: its state per chip what the program takes
-    in, its collectives the docstring's, its matmul FLOPs within XLA's own count."""
-    done, summary, text = compile_for(script, tmp_path)
+    in (and the batch, int32 [rows, length + 1], at most)."""
     assert not re.search(r"^step \d", done.stdout, re.M)  # compiled, no step run
     assert done.stderr == ""  # and libtpu said nothing
     assert summary["devices"] == 8 and summary["device_kind"] == "TPU v5 lite"
@@ -63,19 +61,27 @@ def test_every_script_compiles_for_a_tpu_slice(script, tmp_path):
     computations, shapes, entry = hlo._hlo_program(text)
     inputs = [name for name, opcode, *_ in computations[entry] if opcode == "parameter"]
     taken = sum(common._shape_bytes(shapes[name]) for name in inputs)
-    rows = 32 * 65 * 4  # at most the whole batch, int32 tokens
-    assert 0 <= taken - summary["state_bytes_per_device"] <= rows + 1024, taken
+    assert 0 <= taken - summary["state_bytes_per_device"] <= batch + 1024, taken
     assert summary["compiled_argument_bytes"] >= taken  # padded to tiles
     need = summary["compiled_argument_bytes"] + summary["compiled_temp_bytes"]
     assert summary["hbm_need_bytes"] <= need + summary["compiled_argument_bytes"]
     assert summary["hbm_need_bytes"] <= summary["predicted"]["hbm"] == 16 * 2**30
+    assert re.search(r"HBM per chip: [\d.e-]+ GiB of 16 GiB, fits", done.stdout)
+
+
+# -m full only (a compile each): every pytest compiles fsdp.py (a copy's test, below)
+@pytest.mark.parametrize("script", matrix(list(NAMED), []))
+def test_every_script_compiles_for_a_tpu_slice(script, tmp_path):
+    """The report is the TPU program's, nothing run: its state per chip what the program takes
+    in, its collectives the docstring's, its matmul FLOPs within XLA's own count."""
+    done, summary, text = compile_for(script, tmp_path)
+    the_report_is_the_programs(done, summary, text, 32 * 65 * 4)
     kinds = {op for op, c in summary["collectives"].items() if c["count"]}
     assert kinds == NAMED[script], summary["collectives"]
     # XLA counts the matmuls (TPU's convolutions) and the elementwise work (a loop once; under
     # tensor parallelism, replicated work on every chip: 0.62 here): most of it is matmuls
     loops = script in ("pipeline", "context_parallel")
     assert 0.5 < summary["step_flops"] / summary["xla_flops"] <= 1 or loops
-    assert re.search(r"HBM per chip: [\d.e-]+ GiB of 16 GiB, fits", done.stdout)
 
 
 # GPT-2's vocabulary and length, 2 rows a chip: the state and the logits both count
@@ -107,10 +113,12 @@ def kernels(hlo) -> set:
 def test_a_copy_of_a_script_and_common_py_trains_here_and_compiles_for_a_tpu(fsdp_alone):
     """What the README says to do: fsdp.py and common.py alone in a folder train on this CPU and
     compile for v5e-8 at 1,024 tokens, where --attention auto is splash, dense and with --experts
-    (megablox's grouped matmul; at a width of 64, which its tiles once refused)."""
-    folder, done, _, hlo = fsdp_alone
+    (megablox's grouped matmul; at a width of 64, which its tiles once refused); the report is the
+    program's."""
+    folder, done, summary, hlo = fsdp_alone
     assert done.stdout.splitlines()[0].endswith("bfloat16 compute, splash attention")
     assert kernels(hlo) == {"fwd", "dq", "dkv"}
+    the_report_is_the_programs(done, summary, hlo, 16 * 1025 * 4)
     experts = as_flags(dict(seq_len=1024, layers=1, d_model=64, batch_size=8, experts=2, top_k=1))
     done, _, hlo = compile_for("fsdp", folder, *experts)
     assert done.stdout.splitlines()[0].endswith("float32 compute, splash attention")

@@ -1,20 +1,24 @@
 """Check a model or dataset of yours against the scripts' contract before you train on it, and
-prepare a TFDS dataset: every piece is built and traced on shapes alone (nothing is computed or
-compiled), a batch of each split is read, and each breach is one line naming the piece,
-parameter or batch and what to do, with exit status 2.
+prepare a TFDS dataset: every piece is built and traced on shapes alone, then each script's step
+as the script runs it (its shard_map's manual axes, its rules' Auto layout, its Explicit types),
+nothing compiled or computed; a batch of each split is read. Each breach is one line naming the
+piece, parameter or batch and what to do (a script's refusal in its own words), exit status 2.
 
   python tools/check.py --model my_model.py             # the flags of any script, e.g.
-  python tools/check.py --model my_project.model --layers 2 --seq-len 128
+  python tools/check.py --model my_project.model --layers 2 --seq-len 128 --scripts fsdp
   python tools/check.py --dataset my_data.py --vocab-size 50304
   python tools/check.py --dataset tiny_shakespeare --data-dir ~/tfds   # prepares it once
 
-The contract is written in common.py's model section. The scripts load a model without these
-checks: a breach found here would show there as a crash after compiling, or as numbers that
-are silently another model's (attention or positions made without the hooks a strategy
-replaces; context_parallel.py refuses a model whose attention bypasses its hook itself).
+The contract is written in common.py's model section. The scripts refuse what they can see
+themselves (a flag the model ignores, a layout call they cannot run) before compiling; the
+contract's other breaches would show there as a crash, or as numbers that are silently another
+model's (positions made without the hook a strategy replaces, which context_parallel.py refuses).
 """
 
+import contextlib
 import dataclasses
+import importlib
+import io
 import os
 import sys
 import traceback
@@ -31,12 +35,19 @@ import common  # noqa: E402
 from common import ConfigError, require  # noqa: E402
 
 TENSORFLOW = "tensorflow-cpu==2.21.0"  # what preparing a TFDS catalogue dataset imports
+# Each way a script runs a model (pmap_dp.py's is shardmap_dp.py's; expert_parallel.py's with
+# --experts): shard_map's manual axes, by hand, the rules' Auto layout and the Explicit types
+SCRIPTS = "shardmap_dp fsdp pjit_tp logical_pjit explicit_sharding pipeline context_parallel"
+SCRIPTS = (*SCRIPTS.split(), "expert_parallel")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config(common.Config):
     tfds_manual_dir: str | None = common.arg(
         None, "already downloaded source files, to prepare a TFDS dataset offline"
+    )
+    scripts: str = common.arg(
+        ",".join(SCRIPTS), "the scripts to trace --model's step in (none: the contract alone)"
     )
 
 
@@ -77,6 +88,7 @@ def check_model(config: common.Config):
     where = f"--model {config.model}:"
     contract = "(common.py's model contract; README: Your own model and data)"
     named = {}  # the first parameter with logical axis names (True), and without (False)
+    meshed = {}  # parameters named by mesh axes, as the Flax docs annotate them: P(None, 'model')
 
     def build(name, piece, x):
         try:
@@ -91,19 +103,15 @@ def check_model(config: common.Config):
         for path, (shape, names) in _parameter_shapes(made.params).items():
             parameter = f"{PIECE[name]}'s parameter {path}"
             named.setdefault(bool(names), parameter)
-            if not names and True in named or names and False in named:  # some named, some not
-                raise ConfigError(
-                    f"{where} {named[False]} has no logical axis names, where {named[True]} has: "
-                    "declare it with nnx.with_partitioning(init, names) or nnx.Param(value, "
-                    f"out_sharding=names) (linen: nn.with_logical_partitioning) {contract}"
-                )
             if not names:
                 continue
-            if len(names) != len(shape):
+            if len(names) > len(shape):  # fewer: the rest whole, as a PartitionSpec's
                 raise ConfigError(
-                    f"{where} {parameter} has {len(shape)} axes but names {names}: one name per "
-                    f"axis {contract}"
+                    f"{where} {parameter} has {len(shape)} axes but names {names}: a name per "
+                    f"axis at most {contract}"
                 )
+            if set(names) & {"data", "model"}:
+                meshed.setdefault(parameter, sorted(set(names) & {"data", "model"}))
         return out, made
 
     def calls(made, x):
@@ -184,8 +192,58 @@ def check_model(config: common.Config):
                 f"{alone['embed'][path]}: a tied parameter has one shape and one set of axis "
                 f"names {contract}"
             )
+    if meshed:  # split as named by the scripts that lay parameters out by name, the rest whole
+        split = ", ".join(f"{p.split()[-1]} over {a}" for p, a in list(meshed.items())[:2])
+        whole = f", {named[False].split()[-1]} whole, ..." if False in named else ""
+        return f" (it names mesh axes, not logical ones, as the Flax docs do: {split}{whole})"
+    if True in named and False in named:  # some named, some not
+        raise ConfigError(
+            f"{where} {named[False]} has no logical axis names, where {named[True]} has: "
+            "declare it with nnx.with_partitioning(init, names) or nnx.Param(value, "
+            f"out_sharding=names) (linen: nn.with_logical_partitioning) {contract}"
+        )
     unnamed = " (it names no axes: pjit_tp.py, logical_pjit.py and explicit_sharding.py, which lay"
     return "" if True in named else f"{unnamed} parameters out by name, will ask for them)"
+
+
+class _Traced(Exception):
+    """A script's step traced: where check_scripts stops it."""
+
+
+def check_scripts(config: Config) -> list:
+    """Each script of --scripts run with check.py's flags (the rest its defaults) up to its step,
+    traced and lowered on shapes, nothing compiled: ConfigError with the first refusal, in the
+    script's own words; else the scripts that traced it."""
+    names = [n for n in config.scripts.split(",") if n and n != "none" and config.model != "gpt"]
+    names = [n for n in names if n != "expert_parallel" or config.experts]  # it splits experts
+    flags = {  # what check.py was given, the rest each script's defaults
+        f.name: getattr(config, f.name)
+        for f in dataclasses.fields(common.Config)
+        if getattr(config, f.name) != f.default
+    }
+
+    def lowered(config, step_fn, *args):  # common.compile_step, stopped before compiling
+        common.lower_step(config, step_fn, *args)
+        raise _Traced
+
+    traced, (compile_step, common.compile_step) = [], (common.compile_step, lowered)
+    try:
+        for name in names:
+            require(name in SCRIPTS, "scripts", f"{name} is no script, e.g. --scripts fsdp")
+            module, said = importlib.import_module(name), io.StringIO()
+            try:
+                with contextlib.redirect_stderr(said), contextlib.redirect_stdout(io.StringIO()):
+                    module.main(module.Config(**flags))
+            except _Traced:
+                traced.append(f"{name}.py")
+            except SystemExit:
+                why = (
+                    said.getvalue().strip().split(": error: ", 1)[-1].removesuffix(" (see --help)")
+                )
+                raise ConfigError(f"{name}.py refuses it: {why}") from None
+    finally:
+        common.compile_step = compile_step
+    return traced
 
 
 PIECE = {"embed": "Embed", "block": "Block", "head": "Head"}
@@ -346,9 +404,12 @@ def main(argv=None):
         check_model_file(config)
         note = check_model(config)
         data = check_dataset(config)
+        traced = check_scripts(config)
     except ConfigError as error:
         common.exit_bad_input(str(error))
     print(f"--model {config.model} keeps the scripts' contract{note}")
+    if traced:
+        print(f"and trains in {', '.join(traced)}: each traced its step with these flags")
     print(f"--dataset {config.dataset} keeps it too: {data}")
 
 

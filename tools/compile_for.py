@@ -194,7 +194,7 @@ def main(argv: list):
     config = common.parse_config(config_class, doc)
     common.same_start_everywhere = lambda config: None  # one process stands for the slice's
 
-    def compile_and_stop(step_fn, state, *args):
+    def compile_and_stop(config, step_fn, state, *args):
         """common.compile_step: compile on shapes, report, stop before anything is made."""
         began = time.perf_counter()
         reached.append(True)  # what fails now is the compile
