@@ -1475,11 +1475,12 @@ def collectives(hlo_text: str) -> dict:
     for computation, opcode, name, operands in found:
         op = opcode.removesuffix("-start")
         if op.removeprefix("ragged-") in COLLECTIVES and runs(computation):
-            ragged, op = op.startswith("ragged"), op.removeprefix("ragged-")  # TPU's dropless
+            ragged, op = op.startswith("ragged"), op.removeprefix("ragged-")  # TPU's dropless:
             operands = operands[:1] if ragged else operands  # a device's rows, routed evenly
             operand_bytes = sum(_shape_bytes(shapes.get(o, "")) for o in operands)
-            # An async start's result holds its operands too, then the outputs
-            result = _shape_bytes(shapes[name]) - operand_bytes * opcode.endswith("-start")
+            # An async start's result holds its operands, the outputs and its context (u32[]s)
+            start, result = opcode.endswith("-start"), _shape_bytes(shapes[name])
+            result -= start * (operand_bytes + 4 * shapes[name].count("u32[]"))
             size = (min if ragged else max)(operand_bytes, result)
             counted[op]["count"] += runs(computation)
             counted[op]["bytes"] += runs(computation) * size
@@ -1900,7 +1901,6 @@ def compile_step(config: Config, step_fn, *args):
     cpu = jax.default_backend() == "cpu" and hasattr(step_fn, "trace")  # pmap's take no options
     lowered = lower_step(config, step_fn, *args)
     compiled = lowered.compile(compiler_options=CPU_COMPILER_OPTIONS if cpu else {})
-    seconds = time.perf_counter() - start
     memory, have = compiled.memory_analysis(), device_memory()
     sizes = ("argument", "output", "temp")
     need = memory and sum(getattr(memory, f"{s}_size_in_bytes") for s in sizes)
@@ -1908,7 +1908,7 @@ def compile_step(config: Config, step_fn, *args):
         fix = "lower --batch-size or --seq-len, or add --microbatches or --remat"
         have = f"a {jax.local_devices()[0].platform} device has {have / 1e9:,.1f} GB"
         exit_bad_input(f"the train step needs {need / 1e9:,.1f} GB per device, {have}: {fix}")
-    return compiled, seconds
+    return compiled, time.perf_counter() - start
 
 
 def lower_step(config: Config, step_fn, *args):

@@ -109,7 +109,7 @@ class Config(common.Config):
                 for s in (1, 2, 4)
                 if n % s == 0
                 and self.layers % (s * groups) == 0
-                and s <= max(1, n // 2)
+                and s <= max(2, n // 2)  # at most half the devices, both of 2
                 and self.takes(self.microbatches, s)
             ),
             default=1,

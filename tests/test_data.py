@@ -126,10 +126,23 @@ def test_a_batch_that_fails_fails_the_loop_at_its_step():
     assert steps == [0, 1, 2]
 
 
-def test_loss_floor_is_the_sampled_entropy_rate():
-    data = common.SyntheticData(seed=0, seq_len=256)
+@pytest.mark.parametrize("vocab", [256, 50304])  # each construction: exact, and GPT-2's sparse
+def test_loss_floor_is_the_sampled_entropy_rate(vocab):
+    """Every token has its distinct successors, the first a cycle through all tokens (one
+    stationary pi, which the walk starts from); pi is stationary; the floor is what a sample's
+    transitions cost."""
+    data = common.SyntheticData(seed=0, seq_len=256, vocab=vocab)
     tokens = data.batch(0, 0, 64)
     probs = np.diff(data.cumulative, prepend=0, axis=1)
+    assert all(len(set(row)) == len(row) for row in data.successors)
+    token, seen = 0, set()
+    while token not in seen:
+        seen.add(token)
+        token = data.successors[token, 0]
+    assert len(seen) == vocab
+    pi, moved = np.diff(data.stationary, prepend=0), np.zeros(vocab)
+    np.add.at(moved, data.successors, pi[:, None] * probs)
+    assert np.abs(moved - pi).sum() < 1e-9
     previous, following = tokens[:, :-1].ravel(), tokens[:, 1:].ravel()
     slot = (data.successors[previous] == following[:, None]).argmax(axis=1)
     assert (data.successors[previous, slot] == following).all()  # only allowed transitions

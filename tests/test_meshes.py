@@ -14,6 +14,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -24,7 +25,7 @@ import pytest
 from jax.experimental import mesh_utils
 
 import common
-from tests.harness import ROOT, SCRIPTS
+from tests.harness import ROOT, SCRIPTS, matrix
 
 # Hosts of 4 or 8 devices, from one device to 256; 3 hosts too
 COUNTS = sorted(
@@ -65,7 +66,7 @@ def stated(script, config, n, local) -> dict:
     if script == "pipeline":  # up to 4 stages, each whole groups of layers
         groups = config.virtual_stages if config.schedule == "interleaved" else 1
         fits = [s for s in (1, 2, 4) if n % s == 0 and config.layers % (s * groups) == 0]
-        stage = max(s for s in fits if s <= half)
+        stage = max(s for s in fits if s <= max(2, half))  # both of 2: nothing else pipelines
         return {"data": n // stage, "stage": stage}
     if script == "context_parallel":
         context = max(c for c in (1, 2, 4) if n % c == 0 and c <= half)
@@ -187,3 +188,54 @@ def test_on_a_tpu_slice_each_group_is_a_box_of_the_torus(tmp_path):
         assert all(math.prod(span) == size for span in mesh["spans"]), f"{where}: not a box"
         assert mesh["same"] in (True, None), f"{where}: not jax.make_mesh's assignment"
     print(f"\n{len(found)} meshes on {len(SLICES)} TPU slices, each group a box of the torus")
+
+
+# Flags each refused somewhere from 1 to 16 devices (a batch, heads, layers, experts, a sequence
+# a count does not split; a mesh of other axes or devices), on hosts of 4 and 8
+REFUSED = [{}, dict(batch_size=12), dict(batch_size=6, microbatches=3), dict(kv_heads=1)]
+REFUSED += [dict(heads=3, d_model=96), dict(experts=6), dict(layers=3), dict(seq_len=60)]
+REFUSED += [dict(mesh=m) for m in ("data=4,model=2", "data=2,stage=4", "replica=2,data=4")]
+REFUSED += [dict(mesh="data=2,context=4"), dict(mesh="data=2,expert=4")]
+HOSTS = [(1, 1), (2, 2), (4, 4), (8, 8), (8, 4), (12, 4), (16, 8)]
+# -m full: the two whose checks trace the model (about 20 s each); every pytest the other seven
+TRACING = ("pjit_tp", "context_parallel")
+
+
+def example(message: str) -> dict:
+    """The flags a refusal's 'e.g.' sets, as text."""
+    said = message.split("e.g. ", 1)[1].split(" (or ")[0]  # the first of its fixes
+    return {
+        name.replace("-", "_"): v.rstrip(",;)") for name, v in re.findall(r"--([\w-]+) (\S+)", said)
+    }
+
+
+@pytest.mark.parametrize("script", matrix(list(SCRIPTS), [s for s in SCRIPTS if s not in TRACING]))
+def test_every_refusal_gives_a_fix_that_runs_there(script, monkeypatch):
+    """On 1 to 16 GPUs, 4 or 8 a host, each case refused or not: what a refusal's 'e.g.' sets is
+    accepted there, or refused for another reason, which gives its own; the defaults run on
+    every power of two (pipeline.py on 2 GPUs once refused its own 'auto', one stage)."""
+    module, refusals = SCRIPTS[script], 0
+    names = {field.name: type(field.default) for field in dataclasses.fields(module.Config)}
+    cases = {tuple((k, v) for k, v in flags.items() if k in names) for flags in REFUSED}
+    for case in sorted(cases):
+        for n, local in HOSTS:
+            flags, said = dict(case), []
+            with monkeypatch.context() as patched:
+                counted(patched, [Gpu(i, i // local) for i in range(n)])
+                for _ in range(4):
+                    try:
+                        module.Config(**flags).validate()
+                        break
+                    except common.ConfigError as error:
+                        said.append(str(error))
+                    where = f"{script} on {n} GPUs, {local} a host: {' -> '.join(said)}"
+                    assert "e.g. --" in said[-1], f"{where}: no example"
+                    again = [re.sub(r"\d+", "N", m.split(", e.g.")[0]) for m in said]
+                    assert len(set(again)) == len(again), f"{where}: its example is refused"
+                    flags = {**flags, **{k: names[k](v) for k, v in example(said[-1]).items()}}
+                else:
+                    raise AssertionError(f"{where}: still refused")
+            if not case and n & (n - 1) == 0:  # its defaults run on 1, 2, 4, 8 and 16
+                assert not said, f"{script} on {n} GPUs refuses its defaults: {said[0]}"
+            refusals += len(said)
+    print(f"\n{script}: {refusals} refusals on {len(HOSTS)} counts, each example accepted")

@@ -7,6 +7,7 @@ model, AdamW, its decay mask, the schedule, clipping) is equal everywhere; here 
 with a definition that shares none of that code. The definitions are GPT-2's and AdamW's, as
 their papers and optax's documentation state them."""
 
+import functools
 import math
 
 import jax
@@ -16,6 +17,7 @@ import pytest
 
 import common
 from tests.harness import SMALL, record_flags
+from tests.test_dropout import probe_dropout
 from test_equivalence import reference
 
 # Flags away from their defaults wherever the update reads one: the learning rate, its warm-up
@@ -48,22 +50,24 @@ def mlp(x, p):
     return h @ p["fc2"]["kernel"] + p["fc2"]["bias"]
 
 
-def gpt(params, tokens, layers, heads):
+def gpt(params, tokens, layers, heads, drop=lambda x: x):
     """GPT-2: token and position embeddings, pre-norm blocks, a final norm, the head (tied: the
-    token table, transposed)."""
+    token table, transposed). Training drops the embeddings' sum and each residual branch's
+    output (`drop`; GPT-2 drops the attention weights too, which no fused kernel does)."""
     embed = params["embed"]
     x = embed["token"]["embedding"][tokens] + embed["position"]["embedding"][: tokens.shape[1]]
+    x = drop(x)
     for i in range(layers):
         block = params[f"block_{i}"]
-        x = x + attention(layer_norm(x, block["ln1"]), block["attn"], heads)
-        x = x + mlp(layer_norm(x, block["ln2"]), block["mlp"])
+        x = x + drop(attention(layer_norm(x, block["ln1"]), block["attn"], heads))
+        x = x + drop(mlp(layer_norm(x, block["ln2"]), block["mlp"]))
     x = layer_norm(x, params["head"]["ln_f"])
     head = params["head"].get("out", {}).get("kernel", embed["token"]["embedding"].T)
     return x @ head
 
 
-def loss(params, tokens, layers, heads):
-    logits = gpt(params, tokens[:, :-1], layers, heads)
+def loss(params, tokens, layers, heads, drop=lambda x: x):
+    logits = gpt(params, tokens[:, :-1], layers, heads, drop)
     labels = tokens[:, 1:]
     picked = jnp.take_along_axis(logits, labels[..., None], -1)[..., 0]
     return (jax.nn.logsumexp(logits, -1) - picked).mean()
@@ -153,3 +157,46 @@ def test_five_steps_land_where_a_plain_implementation_does(tied):
     )
     assert loss_diff <= 1e-5 and norm_diff <= 1e-5
     assert left_out <= 1e-3 * total
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["loop", "scan_layers"])
+def test_dropout_falls_where_gpt2_puts_it(scan, monkeypatch):
+    """The model in training mode (--dropout 0.1) against the plain GPT-2 given the masks the
+    model drew (recorded in order, run eagerly): the same loss and every parameter's gradient
+    within 1e-5, with --scan-layers and without; without the masks, another loss."""
+    config = common.Config(**{**SMALL, **FLAGS, "dropout": 0.1, "scan_layers": scan})
+    record_flags(common, config)
+    model = common.make_model(config)
+    params = jax.jit(functools.partial(common.create_state, config, model))().params
+    tokens = jnp.asarray(common.load_dataset(config).batch(0, 0, config.batch_size))
+    rng = jax.random.key(5)
+    masks = probe_dropout(monkeypatch)
+    with jax.disable_jit():  # in the order they are drawn
+        common.loss_fn(params, model, tokens, rng)
+    monkeypatch.undo()
+    assert len(masks) == 1 + 2 * config.layers
+    grad = jax.jit(jax.value_and_grad(common.loss_fn, has_aux=True), static_argnums=1)
+    (value, _), grads = grad(params, model, tokens, rng)
+    # The oracle's parameters: the blocks one by one
+    blocks = params.get("blocks")
+    unstacked = {
+        f"block_{i}": jax.tree.map(lambda x, i=i: x[i], blocks) for i in range(config.layers)
+    }
+    plain = {**{k: v for k, v in params.items() if k != "blocks"}, **(unstacked if scan else {})}
+    drawn = iter(mask for _, _, mask in masks)
+    drop = lambda x: jnp.where(next(drawn), 0.0, x / (1 - config.dropout))  # noqa: E731
+    mine, my_grads = jax.value_and_grad(loss)(plain, tokens, config.layers, config.heads, drop)
+    if scan:  # stacked again, as the model holds them
+        stack = [my_grads.pop(f"block_{i}") for i in range(config.layers)]
+        my_grads["blocks"] = jax.tree.map(lambda *x: jnp.stack(x), *stack)
+    assert abs(float(mine) - float(value)) <= 1e-5 * float(value)
+    worst = 0.0
+    for (path, a), b in zip(
+        jax.tree_util.tree_leaves_with_path(my_grads), jax.tree.leaves(grads), strict=True
+    ):
+        diff = float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+        worst = max(worst, diff)
+        assert diff <= 1e-5, f"{jax.tree_util.keystr(path)}: {diff:.1e}"
+    without = float(loss(plain, tokens, config.layers, config.heads))
+    print(f"\ndropout, scan={scan}: loss {abs(mine - value) / value:.1e}, gradients {worst:.1e}")
+    assert abs(without - float(value)) > 1e-4 * float(value)  # the masks matter (8.8e-4)

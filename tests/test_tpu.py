@@ -362,3 +362,37 @@ def test_splash_attention_is_the_kernel_and_holds_no_scores(script, tmp_path):
     )
     assert splash["compiled_temp_bytes"] < xla["compiled_temp_bytes"] / 7
     assert splash["step_flops"] > xla["step_flops"]  # the kernel's, and its backward's recompute
+
+
+def test_the_tools_read_programs_whose_answers_are_known():
+    """tests/tpu_programs.py's two TPU programs. One holds a chip's 32 MiB piece and 1 MiB whole
+    in, the same out, and the 256 MiB of the 8 pieces gathered between: 322 MiB of HBM, 290 with
+    the piece donated (XLA's small buffers aside: 253 and 284 KiB). The other a loop of 3 trips
+    each holding an all-reduce, reduce-scatter, all-to-all and ring permute of 4 MiB, then an
+    all-gather into 32 MiB, the permute and the gather asynchronous: hlo.py gives each its bytes
+    and runs (it once counted a permute's 8 bytes of context), and the predicted time is their
+    wire bytes at v5e's 400 GB/s."""
+    command = [sys.executable, str(ROOT / "tests/tpu_programs.py")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout)
+    MiB = 2**20
+    need = found["hbm_need"]
+    assert 0 <= need["kept"] - 322 * MiB < MiB and 0 <= need["donated"] - 290 * MiB < MiB, need
+    assert found["asynchronous"] == ["collective-permute-start", "async-collective-start"]
+    expected = {
+        "all-reduce": (3, 4 * MiB),
+        "reduce-scatter": (3, 4 * MiB),
+        "all-to-all": (3, 4 * MiB),
+        "collective-permute": (3, 4 * MiB),
+        "all-gather": (1, 32 * MiB),
+    }
+    read = {c["op"]: (c["runs"], c["bytes"]) for c in found["collectives"]}
+    assert read == expected and {c["group"] for c in found["collectives"]} == {8}
+    # A run's own count (common.collectives): the same bytes a run (a loop's once: no trip count)
+    assert all(
+        found["printed"][op]["bytes"] == found["printed"][op]["count"] * expected[op][1]
+        for op in expected
+    )
+    ring = 3 * 4 * MiB * (2 * 7 / 8 + 7 / 8 + 7 / 8 + 1) + 32 * MiB * 7 / 8  # hlo.wire's shares
+    assert found["collective_seconds"] == pytest.approx(ring / 400e9)

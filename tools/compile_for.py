@@ -102,6 +102,13 @@ def predict(compiled, step_flops: float, model_flops: float, wire_bytes: float, 
     return dict(seconds=times, step_seconds=step, mfu=mfu, hbm=hbm)
 
 
+def hbm_need(memory) -> int:
+    """A chip's HBM for a program: its arguments, outputs and temporaries, a donated argument
+    once (the output it becomes)."""
+    sizes = ("argument", "output", "temp")
+    return sum(getattr(memory, f"{s}_size_in_bytes") for s in sizes) - memory.alias_size_in_bytes
+
+
 def report(config, topology: str, compiled, state, seconds: float) -> dict:
     """The run's report (common.cost_report's figures) for a step compiled on shapes alone."""
     import jax
@@ -120,8 +127,6 @@ def report(config, topology: str, compiled, state, seconds: float) -> dict:
     uncounted = sum(
         " while(" in line and "known_trip_count" not in line for line in text.split("\n")
     )
-    sizes = ("argument", "output", "temp")
-    need = sum(getattr(memory, f"{s}_size_in_bytes") for s in sizes) - memory.alias_size_in_bytes
     shards = jax.tree.leaves(common.unbox((state.params, state.opt_state)))
     return {
         "topology": topology,
@@ -137,7 +142,7 @@ def report(config, topology: str, compiled, state, seconds: float) -> dict:
         "compile_seconds": seconds,
         "compiled_argument_bytes": memory.argument_size_in_bytes,
         "compiled_temp_bytes": memory.temp_size_in_bytes,
-        "hbm_need_bytes": need,
+        "hbm_need_bytes": hbm_need(memory),
         "loops_counted_once": uncounted,
         "predicted": predict(compiled, step_flops, model_flops, wire, kind)
         if kind in CHIPS

@@ -182,8 +182,11 @@ def hlo_collectives(hlo_text: str) -> list:
                 and not comp.startswith("async_collective_fusion")
             ):
                 operand_bytes = sum(sizes.get(o, 0) for o in operands)
-                # An async start's result holds its operands too, then the outputs.
-                result_bytes = sizes[name] - (operand_bytes if opcode.endswith("-start") else 0)
+                # An async start's result holds its operands too, then the outputs and its
+                # context (u32[] scalars: a collective-permute-start's two)
+                result_bytes = sizes[name]
+                if opcode.endswith("-start"):
+                    result_bytes -= operand_bytes + 4 * shapes[name].count("u32[]")
                 pick = min if ragged else max
                 size, group = pick(operand_bytes, result_bytes), group_size(line, devices)
                 found.append(dict(op=op, runs=runs(comp), bytes=size, group=group, line=line))
@@ -207,18 +210,26 @@ def group_size(line: str, devices: int) -> int:
     return devices
 
 
-def costs(config, compiled) -> dict:
-    """A compiled step's collectives by kind (count, bytes, wire_bytes: what a ring sends), its
-    matmul FLOPs per device against the model's (above 1: what the strategy computes again)."""
+def by_kind(hlo_text: str) -> dict:
+    """A program's collectives by kind: count, bytes and wire_bytes (what a ring sends)."""
     import common
 
-    hlo_text, params = compiled.as_text(), common.unbox(common.model_shapes(config).params)
     collectives = {op: {"count": 0, "bytes": 0, "wire_bytes": 0.0} for op in common.COLLECTIVES}
     for found in hlo_collectives(hlo_text):
         counted, runs = collectives[found["op"]], found["runs"]
         counted["count"] += runs
         counted["bytes"] += runs * found["bytes"]
         counted["wire_bytes"] += runs * wire(found["op"], found["group"]) * found["bytes"]
+    return collectives
+
+
+def costs(config, compiled) -> dict:
+    """A compiled step's collectives by kind (by_kind), its matmul FLOPs per device against the
+    model's (above 1: what the strategy computes again)."""
+    import common
+
+    hlo_text, params = compiled.as_text(), common.unbox(common.model_shapes(config).params)
+    collectives = by_kind(hlo_text)
     step_flops, per_token = hlo_flops(hlo_text), flops_per_token(config, params)
     model_flops = per_token * config.batch_size * config.seq_len / jax.device_count()
     return {
