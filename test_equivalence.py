@@ -398,11 +398,11 @@ def ragged_all_to_all(
 def test_the_tpus_ragged_all_to_all_matches(name, monkeypatch):
     """expert_parallel.py's dropless exchange on a TPU, each choice sent to its expert's device
     alone (a ragged all-to-all each way, by its definition above), with the TPU's grouped
-    matmul, against one device."""
-    ref = reference(**{**MOE, **model_flags(name)})
+    matmul and splash attention in shard_map's body, against one device."""
+    ref = reference(**{**ON_TPU, "attention": "xla", **model_flags(name)})
     monkeypatch.setattr(expert_parallel, "ragged_all_to_all", lambda: ragged_all_to_all)
     monkeypatch.setattr(common, "grouped_matmul", lambda: common.megablox_matmul)
-    compare(name, run_uncached(name, **MOE), ref, MOE)
+    compare(name, run_uncached(name, **ON_TPU), ref, ON_TPU)
 
 
 # -m full (33 s): every pytest checks the suggestions' text (tests/test_your_model.py) and trains
@@ -436,20 +436,35 @@ def test_grouped_query_attention_matches(name):
     compare(name, run_uncached(name, **GQA), reference(**GQA, **model_flags(name)), GQA)
 
 
-# --attention splash (Pallas's kernel, interpreted on the CPU) at 128 tokens, a block: every
-# pytest in FSDP's shard_map body and under explicit_sharding.py's types; -m full every strategy
-# but the ring's and the all-gather's attention, which compute their own.
+# --attention splash (Pallas's kernel, interpreted on the CPU) at 128 tokens, a block: -m full
+# every strategy but the ring's and the all-gather's attention, which compute their own; every
+# pytest each layout a script gives it, with the grouped matmul (below).
 SPLASH = {"attention": "splash", "seq_len": 128}
 SPLASHED = [name for name in STRATEGIES if name not in ("context_parallel", "context_all_gather")]
 
 
-# Every pytest: fsdp.py (the kernel inside shard_map); -m full: every strategy
-# (explicit_sharding.py's types among them).
-@pytest.mark.parametrize("name", matrix(SPLASHED, ["fsdp"]))
+@pytest.mark.parametrize("name", matrix(SPLASHED, []))
 def test_splash_attention_matches(name):
     """Each strategy with the splash kernel against one device with XLA's attention."""
     xla = {**SPLASH, "attention": "xla"}
     compare(name, run_uncached(name, **SPLASH), reference(**xla, **model_flags(name)), SPLASH)
+
+
+# Both TPU kernels at once, 6 steps: Megatron's layout (pjit_tp.py), the rules' (logical_pjit.py),
+# the types' (explicit_sharding.py) and Ulysses'; a shard_map's body in expert_parallel.py's
+# (test_the_tpus_ragged_all_to_all_matches).
+ON_TPU = {**SPLASH, **MOE, "steps": 6, "eval_every": 6}
+
+
+@pytest.mark.parametrize(
+    "name", ["pjit_tp", "logical_fsdp_tp", "explicit_fsdp_tp", "context_ulysses"]
+)
+def test_the_tpus_kernels_match_in_each_layout(name, monkeypatch):
+    """Splash attention and megablox's grouped matmul, each device given its pieces as the
+    script lays them out, against one device with XLA's attention and ragged_dot."""
+    ref = reference(**{**ON_TPU, "attention": "xla"})
+    monkeypatch.setattr(common, "grouped_matmul", lambda: common.megablox_matmul)
+    compare(name, run_uncached(name, **ON_TPU), ref, ON_TPU)
 
 
 # Every pytest: FSDP's gathers per piece of a linen model (its hooks under context parallelism:
