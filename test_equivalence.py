@@ -453,7 +453,7 @@ def test_splash_attention_matches(name):
 # Both TPU kernels at once, 6 steps: Megatron's layout (pjit_tp.py), the rules' (logical_pjit.py),
 # the types' (explicit_sharding.py) and Ulysses'; a shard_map's body in expert_parallel.py's
 # (test_the_tpus_ragged_all_to_all_matches).
-ON_TPU = {**SPLASH, **MOE, "steps": 6, "eval_every": 6}
+ON_TPU = {**SPLASH, **MOE, "steps": 6, "eval_every": 0}  # no held-out step: one compile
 
 
 @pytest.mark.parametrize(
