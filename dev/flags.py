@@ -6,8 +6,10 @@ tests record every compared run's flags (tests/harness.py's record_flags, into $
 this tool turns a whole run's records into the table, and tests/test_flags.py fails for a flag
 the table leaves without one. A flag every script shares (common.Config's) counts once, under
 any script; a script's own flag (one it adds, or whose default or meaning it changes) only in
-runs of that script. After the tests, conftest.py checks the table's examples that ran against
-what they recorded, so the table cannot keep a claim a test stopped making.
+runs of that script. The tool lists too the pairs of flags one function reads (found in the
+code) that no compared run sets together. After the tests, conftest.py checks the table's
+examples that ran against what they recorded, so the table cannot keep a claim a test stopped
+making.
 
   FLAGS_RECORD=/tmp/flags pytest -m ""        # every test, recording (about 45 minutes)
   python dev/flags.py /tmp/flags --write    # rewrite docs/flags.md's table from the records
@@ -15,8 +17,10 @@ what they recorded, so the table cannot keep a claim a test stopped making.
 """
 
 import argparse
+import ast
 import dataclasses
 import importlib
+import itertools
 import json
 import re
 import subprocess
@@ -47,6 +51,62 @@ def required() -> dict:
             if base is None or (base.default, base.metadata) != (field.default, field.metadata):
                 needed.add((field.name, script))
     return needed
+
+
+def _read(node, names, where=(), in_config=False, found=None) -> dict:
+    """{function: flags} of an AST: config.x, c.x, self.config.x, self.x in a Config."""
+    found = {} if found is None else found
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.ClassDef, ast.FunctionDef)):
+            config = child.name == "Config" if isinstance(child, ast.ClassDef) else in_config
+            _read(child, names, (*where, child.name), config, found)
+            continue
+        if isinstance(child, ast.Attribute) and child.attr in names and where:
+            held = ast.unparse(child.value)
+            if held in ("config", "c", "self.config") or (held == "self" and in_config):
+                found.setdefault(".".join(where), set()).add(child.attr)
+        _read(child, names, where, in_config, found)
+    return found
+
+
+def reads() -> dict:
+    """{(file, function): the flags it reads}, common.py's and each script's."""
+    names = {name for name, _ in required()}
+    return {
+        (file, function): read
+        for file in ["common.py"] + [f"{script}.py" for script in SCRIPTS]
+        for function, read in _read(ast.parse((ROOT / file).read_text()), names).items()
+    }
+
+
+def required_pairs() -> dict:
+    """{(flag, flag, script or SHARED): the functions that read both}: a script's own code needs
+    its runs, common.py's any script's."""
+    pairs = {}
+    for (file, function), read in reads().items():
+        whose = SHARED if file == "common.py" else file.removesuffix(".py")
+        for a, b in itertools.combinations(sorted(read), 2):
+            pairs.setdefault((a, b, whose), []).append(f"{file}:{function}")
+    return pairs
+
+
+def read_by_scripts() -> set:
+    """{(flag, script)}: each flag a script's own code reads, which its runs must set."""
+    return {
+        (name, file.removesuffix(".py"))
+        for (file, _), read in reads().items()
+        if file != "common.py"
+        for name in read
+    }
+
+
+def covered_pairs(records) -> set:
+    """{(flag, flag, script or SHARED)} that some compared run sets together."""
+    found = set()
+    for record in records:
+        for a, b in itertools.combinations(sorted(record["flags"]), 2):
+            found |= {(a, b, SHARED), (a, b, record["script"])}
+    return found
 
 
 def flag(name: str) -> str:
@@ -130,12 +190,21 @@ def main():
     print(text)
     missing = text.count("**none**")
     print(f"{len(required())} flags, {len({r['test'] for r in records})} tests, {missing} unset")
+    found = covering(records)
+    unread = sorted(key for key in read_by_scripts() if key not in found)
+    for name, script in unread:
+        print(f"read by {script}.py, never set in its runs: {flag(name)}")
+    pairs, covered = required_pairs(), covered_pairs(records)
+    open_pairs = sorted(set(pairs) - covered)
+    for a, b, whose in open_pairs:
+        print(f"never together: {flag(a)} {flag(b)} ({whose}: {', '.join(pairs[a, b, whose])})")
+    print(f"{len(pairs)} pairs of flags read by one function, {len(open_pairs)} never set together")
     if args.write:
         PAGE.write_text(
             MARKER.sub(f"<!-- flags:start -->\n{text}\n<!-- flags:end -->", PAGE.read_text())
         )
         print(f"wrote {PAGE.relative_to(ROOT)}")
-    return 1 if missing else 0
+    return 1 if missing or unread or open_pairs else 0
 
 
 if __name__ == "__main__":

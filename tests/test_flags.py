@@ -36,3 +36,25 @@ def test_a_flag_a_script_adds_or_redefines_is_its_own():
 
     shared = len(dataclasses.fields(common.Config))
     assert sum(whose == flags.SHARED for _, whose in needed) == shared
+
+
+def test_flags_one_function_reads_pair_up():
+    """Pairs are read from the code: the model's layer loop with its dropout (common.py, so a run
+    of any script), each train_step's micro-batches with clipping, pipeline.py's schedule with
+    its micro-batches (its own runs, as every flag a script's own code reads); a run setting both
+    covers a pair, each alone does not."""
+    pairs = flags.required_pairs()
+    assert "common.py:Model.__call__" in pairs["dropout", "scan_layers", flags.SHARED]
+    assert pairs["clip_norm", "microbatches", "fsdp"] == ["fsdp.py:train_step"]
+    assert "pipeline.py:main" in pairs["microbatches", "schedule", "pipeline"]
+    assert "common.py:Logger.eval_due" not in str(pairs)  # it reads one flag
+    assert {("clip_norm", "pmap_dp"), ("schedule", "pipeline")} <= flags.read_by_scripts()
+    alone = [
+        {"script": "fsdp", "flags": ["clip_norm"]},
+        {"script": "fsdp", "flags": ["microbatches"]},
+    ]
+    together = [{"script": "fsdp", "flags": ["clip_norm", "lr", "microbatches"]}]
+    assert ("clip_norm", "microbatches", "fsdp") not in flags.covered_pairs(alone)
+    assert {("clip_norm", "microbatches", "fsdp"), ("clip_norm", "microbatches", flags.SHARED)} <= (
+        flags.covered_pairs(together)
+    )
