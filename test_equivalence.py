@@ -467,6 +467,19 @@ def test_the_tpus_kernels_match_in_each_layout(name, monkeypatch):
     compare(name, run_uncached(name, **ON_TPU), ref, ON_TPU)
 
 
+# Flags that one function of common.py reads meet in one run (dev/flags.py finds the pairs in
+# the code): the mixture's options with grouped-query heads, a vocabulary, a tied head and the
+# optimizer's settings; remat under the scanned layer loop.
+MEET = dict(experts=4, top_k=1, shared_experts=1, router_aux_weight=0.02, router_bias_rate=1e-3)
+MEET |= dict(mlp_dim=96, heads=8, kv_heads=2, vocab_size=512, tie_embeddings=True, seed=1)
+MEET |= dict(lr=2e-3, weight_decay=0.05, remat=True, scan_layers=True, attention="xla")
+
+
+def test_flags_that_meet_in_one_function_match_together():
+    """Each pair of those flags set together, in a data-parallel step, against one device."""
+    compare("shardmap_dp", run_uncached("shardmap_dp", **MEET), reference(**MEET), MEET)
+
+
 # Every pytest: FSDP's gathers per piece of a linen model (its hooks under context parallelism:
 # -m full; the GPT's, grouped-query, above); the blocks of tests/tied_llama.py train under
 # pipeline.py (test_a_tied_head_matches), and pjit_tp.py's suggested entries (above).

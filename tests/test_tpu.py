@@ -190,11 +190,13 @@ def test_dropless_experts_compile_by_megablox_grouped_matmul(script, tmp_path):
     routing runs megablox's kernel (common.megablox_matmul), forward (gmm) and backward (gmm,
     tgmm); the report counts its matmuls, every slot it is given (an upper bound: it skips the
     slots past its groups, other devices' experts' under expert_parallel.py), its forward again
-    backward."""
+    backward; pipeline.py's ticks each at their costliest op besides (docs/costs.md: 3.1 dense,
+    5.9 here, with a row a micro-batch)."""
     flags = [] if script == "expert_parallel" else as_flags(MOE)
     summary, hlo = compile_for(script, tmp_path, *flags)[1:]
     assert kernels(hlo) == {"gmm", "tgmm"}
-    assert 0.9 <= summary["step_flops_over_model"] <= 4  # uncounted: 0.27
+    bound = 4 * (2 if script == "pipeline" else 1)
+    assert 0.9 <= summary["step_flops_over_model"] <= bound  # uncounted: 0.27
     if script == "expert_parallel":  # each choice to its expert's device alone, and back
         exchanges = re.findall(r"= \S+ ragged-all-to-all\(", hlo)
         assert len(exchanges) == 5 * 2  # a block's tokens, choices, outputs; backward 2
