@@ -1665,6 +1665,13 @@ def start_devices(config: Config):
     with contextlib.suppress(RuntimeError):  # JAX already started (tests call main() often)
         jax.config.update("jax_num_cpu_devices", config.cpu_devices)
     address, processes, index = config.coordinator_address, config.num_processes, config.process_id
+    told = address or (processes, index) != (1, 0)  # which --distributed would ignore
+    itself = "finds the cluster itself, without --coordinator-address, --num-processes or"
+    require(
+        not (config.distributed and told),
+        "distributed",
+        f"{itself} --process-id, e.g. --no-distributed",
+    )
     alone = "and --process-id need --coordinator-address, e.g. --coordinator-address host:1234"
     require(address or config.distributed or (processes, index) == (1, 0), "num_processes", alone)
     if (address or config.distributed) and not jax.distributed.is_initialized():

@@ -174,10 +174,11 @@ class Config(common.Config):
         common.require(
             not self.scan_layers,
             "scan_layers",
-            "is how the pipeline holds its blocks already: leave it out",
+            "is how the pipeline holds its blocks already, e.g. --no-scan-layers"
+            + " --no-remat" * self.remat,  # refused next
         )
         common.require(
-            not self.remat, "remat", "is what each stage's backward does already: leave it out"
+            not self.remat, "remat", "is what each stage's backward does already, e.g. --no-remat"
         )
 
 

@@ -425,13 +425,13 @@ def test_pjit_tp_s_suggested_entries_train_a_new_model_and_match(monkeypatch):
 # (not 4 x --d-model). Every pytest: tensor parallelism, which splits whole groups (model=2, the
 # 2 key-value heads' divisor), and the ring. -m full: every strategy (Ulysses among them, fewer
 # key-value heads than its 4 devices: repeated for each query head before its all-to-alls).
-GQA = {"kv_heads": 2, "mlp_dim": 96}
+GQA = {"heads": 8, "kv_heads": 2, "mlp_dim": 96}
 
 
 @pytest.mark.parametrize("name", matrix(list(STRATEGIES), ["pjit_tp", "context_parallel"]))
 def test_grouped_query_attention_matches(name):
     boxes = dict(common.logical_names(common.Config(**{**SMALL, **GQA})))
-    assert boxes["block_0/attn/qkv/kernel"].value.shape == (64, (4 + 2 * 2) * 16)  # q, k, v
+    assert boxes["block_0/attn/qkv/kernel"].value.shape == (64, (8 + 2 * 2) * 8)  # q, k, v
     assert boxes["block_0/mlp/fc1/kernel"].value.shape == (64, 96)
     compare(name, run_uncached(name, **GQA), reference(**GQA, **model_flags(name)), GQA)
 
@@ -625,7 +625,8 @@ def test_the_same_tokens_are_dropped(name):
     flags.update(experts=4, top_k=1, router_aux_weight=0.05)
     ref = reference(**flags)
     assert min(step["dropped_share"] for step in ref.router) > 0.3
-    compare(name, run(name, **flags), ref, flags)
+    mesh = {"mesh": "data=2,expert=4"} if name == "expert_parallel" else {}  # auto's, given
+    compare(name, run(name, **flags, **mesh), ref, {**flags, **mesh})
 
 
 # Micro-batches are common.accumulate_gradients in every script but pipeline.py (its schedule,
@@ -662,7 +663,7 @@ def test_remat_matches(name):
 # Every pytest: the norm added up by hand from a split gradient (fsdp.py), and whole on every
 # device (shardmap_dp.py). Every run compared with one device compares its gradient norm at every
 # step, so the other scripts' norms are held there; what clipping adds is common.clip, the same
-# in all. -m full: every strategy.
+# in all. -m full: every strategy. Each over 2 micro-batches: the norm is of their sum.
 CLIPPED = ["shardmap_dp", "fsdp"]
 
 
@@ -672,7 +673,8 @@ def test_clipping_matches(name):
     norm is over the whole model, whatever piece of the gradient each device holds."""
     ref = reference(clip_norm=0.05, steps=10, **model_flags(name))
     assert min(ref.grad_norms) > 0.05  # it clips every step
-    compare(name, run(name, clip_norm=0.05, steps=10), ref, {"clip_norm": 0.05, "steps": 10})
+    clip = {"clip_norm": 0.05, "steps": 10, "microbatches": 2}  # the norm of the summed gradient
+    compare(name, run(name, **clip), ref, clip)
 
 
 @pytest.mark.parametrize(
@@ -844,6 +846,17 @@ def test_bfloat16_matches(name):
     the compiled step holds bfloat16 values, and the run is as far from float32 as bfloat16's
     rounding puts it (were --dtype ignored, both sides would run in float32 and agree to 1e-6)."""
     bfloat16_matches(name, run(name, **BF16), {})
+
+
+# -m full: the flags the compute type meets in one function (dev/flags.py): the attention and the
+# heads it runs at, the experts' kernels, the log's and the layout's printing
+MEET_BF16 = dict(attention="xla", heads=8, kv_heads=2, experts=4, top_k=1, show_sharding=True)
+
+
+@pytest.mark.full
+def test_flags_that_meet_the_compute_type_match_together(tmp_path):
+    flags = {**MEET_BF16, "metrics_file": str(tmp_path / "metrics.jsonl")}
+    bfloat16_matches("shardmap_dp", run_uncached("shardmap_dp", **BF16, **flags), flags)
 
 
 # The other models of the parity matrix (docs/checks.md) in bfloat16, through every script and

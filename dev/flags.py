@@ -30,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "flags.md"
 MARKER = re.compile(r"<!-- flags:start -->\n.*?<!-- flags:end -->", re.DOTALL)
+PAIRS = re.compile(r"<!-- pairs:start -->\n.*?<!-- pairs:end -->", re.DOTALL)
 SCRIPTS = (
     "pmap_dp shardmap_dp fsdp pjit_tp logical_pjit pipeline context_parallel expert_parallel "
     "explicit_sharding"
@@ -69,6 +70,30 @@ def _read(node, names, where=(), in_config=False, found=None) -> dict:
     return found
 
 
+def _refusing(node, where=(), found=None) -> set:
+    """The functions of an AST that refuse flags: they call require() or raise ConfigError."""
+    found = set() if found is None else found
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, (ast.ClassDef, ast.FunctionDef)):
+            _refusing(child, (*where, child.name), found)
+            continue
+        called = ast.unparse(child.func) if isinstance(child, ast.Call) else ""
+        raised = ast.unparse(child.exc) if isinstance(child, ast.Raise) and child.exc else ""
+        if where and (called.endswith("require") or "ConfigError(" in raised):
+            found.add(".".join(where))
+        _refusing(child, where, found)
+    return found
+
+
+def refusing() -> set:
+    """{"file:function"} of the functions that refuse flags, common.py's and each script's."""
+    return {
+        f"{file}:{function}"
+        for file in ["common.py"] + [f"{script}.py" for script in SCRIPTS]
+        for function in _refusing(ast.parse((ROOT / file).read_text()))
+    }
+
+
 def reads() -> dict:
     """{(file, function): the flags it reads}, common.py's and each script's."""
     names = {name for name, _ in required()}
@@ -90,23 +115,77 @@ def required_pairs() -> dict:
     return pairs
 
 
-def read_by_scripts() -> set:
-    """{(flag, script)}: each flag a script's own code reads, which its runs must set."""
-    return {
-        (name, file.removesuffix(".py"))
-        for (file, _), read in reads().items()
-        if file != "common.py"
-        for name in read
-    }
+def read_by_scripts() -> dict:
+    """{(flag, script): the functions}: each flag a script's own code reads, which its runs must
+    set (runs only checked will do where every function reading it refuses flags)."""
+    found = {}
+    for (file, function), read in reads().items():
+        for name in read if file != "common.py" else ():
+            found.setdefault((name, file.removesuffix(".py")), []).append(f"{file}:{function}")
+    return found
 
 
-def covered_pairs(records) -> set:
-    """{(flag, flag, script or SHARED)} that some compared run sets together."""
-    found = set()
+def unread(records) -> list:
+    """[(flag, script)] a script's own code reads and none of its runs sets."""
+    compared = covering([r for r in records if not r.get("checked")])
+    checked, refuses = covering([r for r in records if r.get("checked")], True), refusing()
+    return sorted(
+        key
+        for key, functions in read_by_scripts().items()
+        if key not in compared and (key not in checked or not set(functions) <= refuses)
+    )
+
+
+def covered_pairs(records) -> dict:
+    """{(flag, flag, script or SHARED): the tests whose runs set them together}."""
+    found = {}
     for record in records:
         for a, b in itertools.combinations(sorted(record["flags"]), 2):
-            found |= {(a, b, SHARED), (a, b, record["script"])}
+            for key in ((a, b, SHARED), (a, b, record["script"])):
+                found.setdefault(key, set()).add(record["test"])
     return found
+
+
+def refused_together(records) -> dict:
+    """{(flag, flag, script or SHARED): tests} whose refusal names one of them and whose example,
+    passing every check, leaves the other out: no run can set them together."""
+    passed = {
+        (r["test"], r["script"]): set(r["flags"])
+        for r in records
+        if r.get("checked") and not r.get("refused")
+    }
+    found = {}
+    for r in (r for r in records if r.get("refused") in r["flags"]):
+        named, kept = r["refused"], passed.get((r["test"], r["script"]), set(r["flags"]))
+        for dropped in set(r["flags"]) - kept - {named}:
+            a, b = sorted([named, dropped])
+            for key in ((a, b, SHARED), (a, b, r["script"])):
+                found.setdefault(key, set()).add(r["test"])
+    return found
+
+
+def pair_tests(records) -> dict:
+    """{(flag, flag, script or SHARED): (the tests that set them together, or that refuse them
+    together)}: compared runs; where every function reading the pair refuses flags, runs only
+    checked too (a refusal, or the example its message gives, which passes every check)."""
+    compared = covered_pairs([r for r in records if not r.get("checked")])
+    checked, refuses = covered_pairs([r for r in records if r.get("checked")]), refusing()
+    never, found = refused_together(records), {}
+    for key, functions in required_pairs().items():
+        tests = compared.get(key, set())
+        tests |= checked.get(key, set()) if set(functions) <= refuses else set()
+        found[key] = (tests, set() if tests else never.get(key, set()))
+    return found
+
+
+def open_pairs(records) -> dict:
+    """{(flag, flag, script or SHARED): the functions} whose pair no test sets or refuses."""
+    pairs = required_pairs()
+    return {
+        key: pairs[key]
+        for key, (set_, refused) in pair_tests(records).items()
+        if not set_ | refused
+    }
 
 
 def flag(name: str) -> str:
@@ -123,10 +202,10 @@ def recorded(*folders) -> list:
     ]
 
 
-def covering(records) -> dict:
-    """{(flag, script or SHARED): the tests whose compared runs set it}."""
+def covering(records, checked=False) -> dict:
+    """{(flag, script or SHARED): the tests whose compared runs (or runs only `checked`) set it}."""
     found = {}
-    for record in records:
+    for record in (r for r in records if checked or not r.get("checked")):
         for name in record["flags"]:
             for key in ((name, SHARED), (name, record["script"])):
                 found.setdefault(key, set()).add(record["test"])
@@ -157,14 +236,53 @@ def read_table(text=None) -> dict:
     return rows
 
 
+def pair_table(records, plain: set) -> str:
+    """The markdown table of pairs: the functions that read both, how many tests set them
+    together (or refuse them together), one of those tests."""
+    pairs, rows = required_pairs(), []
+    for (a, b, whose), (tests, refused) in sorted(pair_tests(records).items()):
+        first = sorted(tests or refused, key=lambda t: (t not in plain, t))[:1]
+        count = len(tests) if tests or not refused else "refused together"
+        example = f"`{first[0]}`" if first else "**none**"
+        reader = ", ".join(pairs[a, b, whose])
+        rows.append(f"| `{flag(a)}` `{flag(b)}` | {reader} | {count} | {example} |")
+    head = "| flags | read by | tests that set them together | e.g. |\n|---|---|---|---|\n"
+    return head + "\n".join(rows)
+
+
+def read_pairs(text=None) -> dict:
+    """docs/flags.md's pair table: {(flag, flag, script or SHARED): (count or "refused
+    together", [example test])}."""
+    text = PAGE.read_text() if text is None else text
+    rows = {}
+    for a, b, reader, count, examples in re.findall(
+        r"^\| `--([\w-]+)` `--([\w-]+)` \| (.+?) \| (\d+|refused together) \| (.*) \|$",
+        PAIRS.search(text)[0],
+        re.M,
+    ):
+        file = reader.split(":")[0]
+        whose = SHARED if file == "common.py" else file.removesuffix(".py")
+        key = (a.replace("-", "_"), b.replace("-", "_"), whose)
+        rows[key] = (int(count) if count.isdigit() else count, re.findall(r"`([^`]+)`", examples))
+    return rows
+
+
 def stale(folder, ran: set) -> list:
-    """The table's examples that ran in this session and did not set their flag: one line each."""
-    found = covering(recorded(folder))
-    return [
+    """The tables' examples that ran in this session and did not set their flag (or pair): one
+    line each."""
+    records = recorded(folder)
+    found, together = covering(records), pair_tests(records)
+    flags_ = [
         f"{test} no longer sets {flag(name)} in a compared run"
         for (name, script), (_, examples) in read_table().items()
         for test in examples
         if test in ran and test not in found.get((name, script), ())
+    ]
+    return flags_ + [
+        f"{test} no longer sets {flag(a)} {flag(b)} together"
+        for (a, b, whose), (_, examples) in read_pairs().items()
+        for test in examples
+        if test in ran and test not in set.union(*together.get((a, b, whose), (set(),)))
     ]
 
 
@@ -186,25 +304,23 @@ def main():
     parser.add_argument("--write", action="store_true", help="rewrite docs/flags.md's table")
     args = parser.parse_args()
     records = recorded(*args.folders)
-    text = table(records, plain_tests())
+    plain = plain_tests()
+    text, pairs = table(records, plain), pair_table(records, plain)
     print(text)
     missing = text.count("**none**")
     print(f"{len(required())} flags, {len({r['test'] for r in records})} tests, {missing} unset")
-    found = covering(records)
-    unread = sorted(key for key in read_by_scripts() if key not in found)
-    for name, script in unread:
+    unset = unread(records)
+    for name, script in unset:
         print(f"read by {script}.py, never set in its runs: {flag(name)}")
-    pairs, covered = required_pairs(), covered_pairs(records)
-    open_pairs = sorted(set(pairs) - covered)
-    for a, b, whose in open_pairs:
-        print(f"never together: {flag(a)} {flag(b)} ({whose}: {', '.join(pairs[a, b, whose])})")
-    print(f"{len(pairs)} pairs of flags read by one function, {len(open_pairs)} never set together")
+    left = open_pairs(records)
+    for (a, b, whose), functions in sorted(left.items()):
+        print(f"never together: {flag(a)} {flag(b)} ({whose}: {', '.join(functions)})")
+    print(f"{len(required_pairs())} pairs of flags one function reads, {len(left)} never together")
     if args.write:
-        PAGE.write_text(
-            MARKER.sub(f"<!-- flags:start -->\n{text}\n<!-- flags:end -->", PAGE.read_text())
-        )
+        page = MARKER.sub(f"<!-- flags:start -->\n{text}\n<!-- flags:end -->", PAGE.read_text())
+        PAGE.write_text(PAIRS.sub(f"<!-- pairs:start -->\n{pairs}\n<!-- pairs:end -->", page))
         print(f"wrote {PAGE.relative_to(ROOT)}")
-    return 1 if missing or unread or open_pairs else 0
+    return 1 if missing or unset or left else 0
 
 
 if __name__ == "__main__":

@@ -178,9 +178,10 @@ def changed_flags(module, config) -> list:
     return sorted(name for name, default in defaults.items() if getattr(config, name) != default)
 
 
-def record_flags(module, config, argv=None):
+def record_flags(module, config, argv=None, checked=False, refused=False):
     """Note that the running test compares a run of `module` with this config (or command line,
-    `argv`): one JSON line per run in $FLAGS_RECORD (conftest.py), read by dev/flags.py."""
+    `argv`), or only its checks (`checked`: passed, or `refused` naming a flag): one JSON line
+    per run in $FLAGS_RECORD (conftest.py), read by dev/flags.py."""
     folder = os.environ.get("FLAGS_RECORD")
     if argv is not None:
         config = common.parse_config(module.Config, None, [str(a) for a in argv])
@@ -188,6 +189,8 @@ def record_flags(module, config, argv=None):
         return
     test = os.environ["PYTEST_CURRENT_TEST"].rsplit(" (", 1)[0]
     record = {"test": test, "script": module.__name__, "flags": changed_flags(module, config)}
+    record.update({"checked": True} if checked or refused else {})
+    record.update({"refused": refused} if refused else {})
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(os.path.join(folder, f"{worker}.jsonl"), "a") as file:
         file.write(json.dumps(record) + "\n")

@@ -316,7 +316,11 @@ BAD_INPUTS = [
     (["--dropout", "1"], ("pmap_dp",), "--dropout must be below 1"),
     (["--warmup-steps", "-1"], ("pmap_dp",), "--warmup-steps must be at least 0"),
     (["--min-shard-size", "-1"], ("fsdp",), "--min-shard-size must be zero or more"),
-    (["--keep-gathered", "--remat"], ("fsdp",), "--keep-gathered keeps the gathered parameters"),
+    (
+        ["--keep-gathered", "--remat", "--min-shard-size", "64"],
+        ("fsdp",),
+        "--keep-gathered keeps the gathered parameters",
+    ),
     (["--dtype", "float16"], SCRIPTS, "argument --dtype: invalid choice: 'float16'"),
     (["--rules", "zero3"], RULED, "argument --rules: invalid choice: 'zero3'"),
     (["--dataset", "no_such_dataset"], ("shardmap_dp",), "--dataset no_such_dataset is neither"),
@@ -368,7 +372,7 @@ BAD_INPUTS = [
         "--attention cudnn: --attention-split all-gather computes attention itself",
     ),
     (
-        ["--attention-split", "ulysses", "--heads", "2"],
+        ["--attention-split", "ulysses", "--heads", "2", "--attention", "xla"],
         ("context_parallel",),
         "--heads 2 under --attention-split ulysses",
     ),
@@ -388,6 +392,62 @@ BAD_INPUTS = [
         "auto puts no device on 'model' (no tensor parallelism): 2 does not divide --heads 3",
     ),
     (["--attention", "flash"], ("fsdp",), "argument --attention: invalid choice: 'flash'"),
+    (
+        ["--distributed", "--coordinator-address", "localhost:1", "--num-processes", "2"]
+        + ["--process-id", "1", "--cpu-devices", "4", "--heartbeat-timeout", "30"],
+        ("shardmap_dp",),
+        "--distributed finds the cluster itself, without --coordinator-address",
+    ),
+    # Many flags, refused by the last check that reads them, with an example that passes every
+    # check: the pairs a checking function reads, set together (dev/flags.py)
+    (
+        ["--dataset", "TEXT.txt", "--seed", "3", "--lr", "1e-3", "--heads", "8", "--kv-heads"]
+        + ["2", "--attention", "xla", "--model", "tests/llama.py", "--tie-embeddings"],
+        ("shardmap_dp",),
+        "--tie-embeddings is the GPT's: --model says what it ties in TIED, e.g. --model gpt",
+    ),
+    *[
+        (
+            ["--mesh", "data=4,stage=2", "--batch-size", "16", "--microbatches", "4", "--layers"]
+            + ["8", "--schedule", "interleaved", "--virtual-stages", "4", flag],
+            ("pipeline",),
+            f"{flag} is {why}, e.g. --no-{flag[2:]}",
+        )
+        for flag, why in [
+            ("--remat", "what each stage's backward does already"),
+            ("--scan-layers", "how the pipeline holds its blocks already"),
+        ]
+    ],
+    (
+        ["--scan-layers", "--remat"],
+        ("pipeline",),
+        "--scan-layers is how the pipeline holds its blocks already, e.g. --no-scan-layers "
+        "--no-remat",
+    ),
+    (
+        ["--model", "tests/llama.py", "--top-k", "1", "--vocab-size", "512", "--tie-embeddings"],
+        ("shardmap_dp",),
+        "--tie-embeddings is the GPT's",
+    ),
+    (["--dataset", "TEXT.txt", "--experts", "4", "--top-k", "5"], ("shardmap_dp",), "--top-k must"),
+    (
+        ["--model", "tests/llama.py", "--experts", "4"],
+        ("expert_parallel",),
+        "--experts 4: the model's parameters are the same without it",
+    ),
+    *[
+        (
+            ["--model", "tests/llama.py", "--heads", "8", "--kv-heads", "8", "--mesh"]
+            + ["data=4,model=2", *more, "--tie-embeddings"],
+            (script,),
+            "--tie-embeddings is the GPT's",
+        )
+        for script, more in [
+            ("pjit_tp", ["--sequence-parallel"]),
+            ("logical_pjit", ["--rules", "tp"]),
+            ("explicit_sharding", ["--rules", "tp"]),
+        ]
+    ],
 ]
 
 
@@ -402,17 +462,22 @@ def test_bad_input_exits_2_with_one_line(script, flags, message, tmp_path, capsy
     as well, passes every check."""
     (tmp_path / "FILE").write_text("")  # a file, under which nothing can be created
     (tmp_path / "FOLDER").mkdir()
-    flags = [str(tmp_path / f) if f.startswith(("FILE", "FOLDER")) else f for f in flags]
+    (tmp_path / "TEXT.txt").write_text("The quick brown fox jumps over the lazy dog.\n" * 300)
+    flags = [str(tmp_path / f) if f.startswith(("FILE", "FOLDER", "TEXT")) else f for f in flags]
     message = message.replace("FILE", str(tmp_path / "FILE")).replace(
         "FOLDER", str(tmp_path / "FOLDER")
     )
     module = SCRIPTS[script]
     compiled_before = len(COMPILATIONS)
+    config = None
     with pytest.raises(SystemExit) as exit_info:
-        module.main(common.parse_config(module.Config, module.__doc__, [*tiny(script), *flags]))
+        config = common.parse_config(module.Config, module.__doc__, [*tiny(script), *flags])
+        module.main(config)
     out, err = capsys.readouterr()
     assert exit_info.value.code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and message in err, err
+    if config:  # a refusal checks the pairs of flags it was given (dev/flags.py)
+        record_flags(module, config, refused=field(re.search(r"error: (--[\w-]+)", err)[1]))
     if "invalid" not in message and "unrecognized" not in message:
         assert "e.g." in err, err
         suggested = re.search(r"e\.g\. (--[\w-]+)", err).group(1)  # the example is a real flag
@@ -425,6 +490,7 @@ def test_bad_input_exits_2_with_one_line(script, flags, message, tmp_path, capsy
             monkeypatch.chdir(tmp_path)
             common.setup(fixed)
             assert capsys.readouterr().err == "", given
+            record_flags(module, fixed, checked=True)
     assert len(COMPILATIONS) == compiled_before
 
 

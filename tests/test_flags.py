@@ -48,13 +48,35 @@ def test_flags_one_function_reads_pair_up():
     assert pairs["clip_norm", "microbatches", "fsdp"] == ["fsdp.py:train_step"]
     assert "pipeline.py:main" in pairs["microbatches", "schedule", "pipeline"]
     assert "common.py:Logger.eval_due" not in str(pairs)  # it reads one flag
-    assert {("clip_norm", "pmap_dp"), ("schedule", "pipeline")} <= flags.read_by_scripts()
+    assert {("clip_norm", "pmap_dp"), ("schedule", "pipeline")} <= flags.read_by_scripts().keys()
     alone = [
-        {"script": "fsdp", "flags": ["clip_norm"]},
-        {"script": "fsdp", "flags": ["microbatches"]},
+        {"test": "a", "script": "fsdp", "flags": ["clip_norm"]},
+        {"test": "b", "script": "fsdp", "flags": ["microbatches"]},
     ]
-    together = [{"script": "fsdp", "flags": ["clip_norm", "lr", "microbatches"]}]
+    together = [{"test": "c", "script": "fsdp", "flags": ["clip_norm", "lr", "microbatches"]}]
     assert ("clip_norm", "microbatches", "fsdp") not in flags.covered_pairs(alone)
     assert {("clip_norm", "microbatches", "fsdp"), ("clip_norm", "microbatches", flags.SHARED)} <= (
-        flags.covered_pairs(together)
+        flags.covered_pairs(together).keys()
     )
+
+
+def test_a_refusal_covers_the_pairs_its_checks_read_and_no_others():
+    """A run only checked (refused, or its example passing every check) sets a pair together
+    for a function that refuses flags (fsdp.py's Config.validate), not for one that computes
+    with them (fsdp.py's init_state); a refusal naming one flag of a pair whose example leaves
+    the other out shows the two refused together, which no run can set."""
+    test = "tests/test_command_line.py::test_bad_input_exits_2_with_one_line[...]"
+    refused = {"test": test, "script": "fsdp", "flags": ["keep_gathered", "remat", "steps"]}
+    refused |= {"checked": True, "refused": "keep_gathered"}
+    example = {"test": test, "script": "fsdp", "flags": ["keep_gathered", "steps"]}
+    found = flags.pair_tests([refused, example | {"checked": True}])
+    assert "fsdp.py:Config.validate" in flags.refusing()
+    assert "fsdp.py:init_state" not in flags.refusing()
+    assert flags.required_pairs()["keep_gathered", "remat", "fsdp"] == [
+        "fsdp.py:Config.validate",
+        "fsdp.py:init_state",
+    ]
+    assert found["keep_gathered", "remat", "fsdp"] == (set(), {test})  # refused together
+    assert not found["min_shard_size", "remat", "fsdp"][1]  # the refusal names neither
+    alone = flags.pair_tests([{**refused, "refused": "steps"}])  # no example: not shown
+    assert alone["keep_gathered", "remat", "fsdp"] == (set(), set())

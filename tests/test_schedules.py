@@ -49,11 +49,11 @@ def test_show_schedule_prints_each_stages_work_once_in_the_formulas_ticks(kind, 
     """pipeline.py --show-schedule, as run from the command line, trains nothing and prints one
     row per stage: each micro-batch's forward and backward there once per group of layers
     (zero-bubble: and its weights' gradient), in as many ticks as the bubble's formula counts
-    (the stage's work over 1 - bubble). On 4 stages of 8 micro-batches; interleaved, 4 groups
+    (the stage's work over 1 - bubble). On 4 stages of 12 micro-batches; interleaved, 4 groups
     of layers per stage (--virtual-stages 4, 16 layers)."""
-    stages, microbatches, virtual = 4, 8, 4 if kind == "interleaved" else 1
-    flags = ["--show-schedule", "--schedule", kind, "--mesh", "data=2,stage=4"]
-    flags += ["--microbatches", "8", "--layers", str(stages * virtual)]
+    stages, microbatches, virtual = 4, 12, 4 if kind == "interleaved" else 1
+    flags = ["--show-schedule", "--schedule", kind, "--mesh", "data=2,stage=4", "--batch-size"]
+    flags += ["48", "--microbatches", "12", "--layers", str(stages * virtual)]
     flags += ["--virtual-stages", "4"] if kind == "interleaved" else []
     config = common.parse_config(pipeline.Config, None, flags)
     assert pipeline.main(config) is None
