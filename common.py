@@ -1405,8 +1405,9 @@ def check_training(c: TrainingConfig):
     check_ranges(c)
     require(c.lr > 0, "lr", "must be positive, e.g. --lr 3e-3")
     require(c.dropout < 1, "dropout", "must be below 1, e.g. --dropout 0.1")
-    for name in ("shared_experts", "router_bias_rate"):
-        require(c.experts or not getattr(c, name), name, "needs --experts, e.g. --experts 8")
+    for name in "top_k capacity_factor shared_experts router_aux_weight router_bias_rate".split():
+        given = getattr(c, name) != TrainingConfig.__dataclass_fields__[name].default
+        require(c.experts or not given, name, "needs --experts, e.g. --experts 8")
     top_k = f"must be from 1 to --experts {c.experts}, e.g. --top-k {min(2, c.experts)}"
     require(not c.experts or 1 <= c.top_k <= c.experts, "top_k", top_k)
     most = f"must be at most {MAX_VOCAB:,}, e.g. --vocab-size 50304"
@@ -1665,19 +1666,15 @@ def start_devices(config: Config):
     with contextlib.suppress(RuntimeError):  # JAX already started (tests call main() often)
         jax.config.update("jax_num_cpu_devices", config.cpu_devices)
     address, processes, index = config.coordinator_address, config.num_processes, config.process_id
-    told = address or (processes, index) != (1, 0)  # which --distributed would ignore
-    itself = "finds the cluster itself, without --coordinator-address, --num-processes or"
-    require(
-        not (config.distributed and told),
-        "distributed",
-        f"{itself} --process-id, e.g. --no-distributed",
-    )
+    told = address or (processes, index) != (1, 0)  # a cluster given by hand
+    itself = "finds the cluster itself: give no --coordinator-address, e.g. --no-distributed"
+    require(not (config.distributed and told), "distributed", itself)  # else ignored
     alone = "and --process-id need --coordinator-address, e.g. --coordinator-address host:1234"
-    require(address or config.distributed or (processes, index) == (1, 0), "num_processes", alone)
+    require(address or config.distributed or not told, "num_processes", alone)
     if (address or config.distributed) and not jax.distributed.is_initialized():
         host, _, port = (address or ":0").rpartition(":")
-        eg = "e.g. --coordinator-address 10.0.0.1:1234"
         ok = config.distributed or host and port.isdigit()
+        eg = "e.g. --coordinator-address 10.0.0.1:1234"
         require(ok, "coordinator_address", f"is not host:port, {eg}")
         require(index < processes, "process_id", "must be < --num-processes, e.g. --process-id 0")
         jax.config.update("jax_cpu_collectives_implementation", "gloo")  # CPU processes: TCP

@@ -499,7 +499,11 @@ TIED = {"gpt": {"tie_embeddings": True}, "llama": {"model": "tests.tied_llama"}}
 # (fsdp.py), the tied Llama on the pipeline's first and last stages (the split along the
 # vocabulary: test_vocabulary_is_split_over_model). -m full: both models under every strategy
 # (explicit_sharding.py's wrapped tables among them).
-TIED_CASES = [(name, "gpt") for name in STRATEGIES] + [(name, "llama") for name in DENSE]
+# Models that lay out no activation by name (tests/nnx_llama.py, tests/tied_llama.py, the docs'
+# model): sequence parallelism by table or by rules refuses them (test_command_line)
+NO_SEQUENCE_NAMES = ("pjit_tp_sp", "logical_tp_sp")
+ANY_MODEL = [name for name in DENSE if name not in NO_SEQUENCE_NAMES]  # the strategies they take
+TIED_CASES = [(name, "gpt") for name in STRATEGIES] + [(name, "llama") for name in ANY_MODEL]
 TIED_DEFAULT = [("fsdp", "gpt"), ("pipeline_1f1b", "llama")]
 
 
@@ -515,7 +519,7 @@ def test_a_tied_head_matches(name, model, monkeypatch):
 
 
 # -m full: its blocks and embedding train under pipeline.py in every pytest, in tests/tied_llama.py
-@pytest.mark.parametrize("name", matrix(DENSE, []))
+@pytest.mark.parametrize("name", matrix(ANY_MODEL, []))
 def test_an_nnx_model_matches(name, monkeypatch):
     """tests/nnx_llama.py, the Llama written as three Flax NNX pieces (their axis names read from
     nnx.with_partitioning), through every script and preset, against one device training it."""
@@ -527,12 +531,11 @@ def test_an_nnx_model_matches(name, monkeypatch):
 # tests/docs_model.py: a model written whole as the Flax guides write one (a list of blocks,
 # GQA, a tied head), 11 lines from tests/docs_model_as_written.py. -m full: every script and
 # preset (the cut, common.cut_at_blocks, is the same for every script: tests/minigpt.py's below).
-# It lays out no activation by name: sequence parallelism by rules refuses it (test_command_line).
+# It lays out no activation by name (ANY_MODEL).
 DOCS = {"model": "tests.docs_model", "kv_heads": 2}
-NO_SEQUENCE_NAMES = ("pjit_tp_sp", "logical_tp_sp")
 
 
-@pytest.mark.parametrize("name", matrix([n for n in DENSE if n not in NO_SEQUENCE_NAMES], []))
+@pytest.mark.parametrize("name", matrix(ANY_MODEL, []))
 def test_a_model_written_whole_matches(name, monkeypatch):
     """tests/docs_model.py, cut at its blocks (common.cut_at_blocks), through every script and
     preset (pjit_tp.py with the entries it suggests), against one device training it."""

@@ -18,16 +18,29 @@ run on the unchanged code and must pass (skip with --no-clean), so that a failur
   python dev/mutations.py --only 3 7      # some of them
   python dev/mutations.py --write         # and rewrite the table in docs/checks.md
   python dev/mutations.py --only 30 --write   # rewrite that bug's row, keep the others
+
+The generated part (--generated) needs no catalogue: every comparison (< and <=, > and >=, ==
+and !=), + 1 or - 1 and integer axis= of the lesson (common.py from the model to the data, the
+scripts' functions but main) flipped one at a time, each against the tests that reach its lines,
+the fastest first: a map that one run of the plain `pytest` under coverage makes (pytest-cov,
+each test its own context; pip install pytest-cov). Survivors are listed in docs/checks.md, each
+argued equivalent in EQUIVALENT or killed by a new test.
+
+  python dev/mutations.py --generated --map /tmp/reach.json           # map (an hour), then all
+  python dev/mutations.py --generated --map /tmp/reach.json --only 5  # one, by number
 """
 
 import argparse
+import ast
 import dataclasses
+import json
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -548,6 +561,200 @@ BUGS = [
 ]
 
 
+# ----------------------------------------------------------------------------------------------
+# The generated part (--generated): every comparison, off-by-one and integer axis argument of the
+# lesson flipped, one at a time, against the tests that reach its line
+# ----------------------------------------------------------------------------------------------
+
+FILES = ["common.py"] + [
+    f"{name}.py"
+    for name in (
+        "pmap_dp shardmap_dp fsdp pjit_tp logical_pjit pipeline context_parallel expert_parallel "
+        "explicit_sharding"
+    ).split()
+]
+# common.py's lesson: its sections from the model to the data (not the flags, costs, devices,
+# checkpoints and logging after them); a script's: its functions but main()
+LESSON = ("# Model. ", "# The model and the dataset a flag names")
+FLIP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt}
+FLIP |= {ast.Eq: ast.NotEq, ast.NotEq: ast.Eq}
+GENERATED = re.compile(r"<!-- generated:start -->\n.*?<!-- generated:end -->", re.DOTALL)
+# Survivors that compute the same as the code: {"file:function: edit": why, in one line}
+EQUIVALENT = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+    file: str
+    function: str  # the top-level function or class it is in
+    start: tuple  # (line, column) of the text replaced, as ast gives them
+    end: tuple
+    new: str
+    what: str  # the edit: "a < b -> a <= b"
+
+    @property
+    def key(self) -> str:
+        return f"{self.file}:{self.function}: {self.what}"
+
+
+def lesson_nodes(file: str, tree) -> list:
+    """The top-level functions and classes a mutant may change."""
+    if file != "common.py":
+        return [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name != "main"]
+    lines = (ROOT / file).read_text().splitlines()
+    first, last = (next(i for i, t in enumerate(lines, 1) if t.startswith(h)) for h in LESSON)
+    kinds = (ast.FunctionDef, ast.ClassDef)
+    return [n for n in tree.body if isinstance(n, kinds) and first < n.lineno < last]
+
+
+def generate(file: str) -> list:
+    """Every mutant of a file's lesson: a comparison flipped (< and <=, > and >=, == and !=), a
+    + 1 or - 1 dropped, an integer axis= moved by one."""
+    text = (ROOT / file).read_text()
+    tree, found = ast.parse(text), []
+    for top in lesson_nodes(file, tree):
+
+        def add(node, new, what, name=top.name):
+            start, end = (node.lineno, node.col_offset), (node.end_lineno, node.end_col_offset)
+            found.append(Mutant(file, name, start, end, new, what))
+
+        for node in ast.walk(top):
+            if isinstance(node, ast.Compare):
+                for i, op in enumerate(node.ops):
+                    if type(op) in FLIP:
+                        copy = ast.parse(f"({ast.get_source_segment(text, node)})", mode="eval")
+                        copy.body.ops[i] = FLIP[type(op)]()
+                        new = ast.unparse(copy.body)
+                        add(node, new, f"{ast.unparse(node)} -> {new}")
+            elif (
+                isinstance(node, ast.BinOp)
+                and isinstance(node.op, (ast.Add, ast.Sub))
+                and isinstance(node.right, ast.Constant)
+                and node.right.value == 1
+            ):
+                left = ast.get_source_segment(text, node.left)
+                add(node, left, f"{ast.unparse(node)} -> {ast.unparse(node.left)}")
+            elif isinstance(node, ast.keyword) and node.arg == "axis":
+                value, axis = node.value, None
+                if isinstance(value, ast.Constant):
+                    axis = value.value
+                elif isinstance(value, ast.UnaryOp) and isinstance(value.operand, ast.Constant):
+                    axis = -value.operand.value
+                if isinstance(axis, int) and not isinstance(axis, bool):
+                    moved = axis + 1 if axis >= 0 else axis - 1
+                    add(value, str(moved), f"axis={axis} -> axis={moved}")
+    seen = {}  # the same edit twice in a function: numbered, so that each key is one mutant
+    for i, m in enumerate(found):
+        seen[m.function, m.what] = seen.get((m.function, m.what), 0) + 1
+        if seen[m.function, m.what] > 1:
+            found[i] = dataclasses.replace(m, what=f"{m.what} ({seen[m.function, m.what]})")
+    return found
+
+
+def mutated(text: str, m: Mutant) -> str:
+    """The text with the mutant's edit."""
+    starts = [0]
+    for line in text.encode().splitlines(keepends=True):
+        starts.append(starts[-1] + len(line))
+    raw = text.encode()
+    begin, end = starts[m.start[0] - 1] + m.start[1], starts[m.end[0] - 1] + m.end[1]
+    return (raw[:begin] + m.new.encode() + raw[end:]).decode()
+
+
+def reach_map(folder: Path, tests: tuple, timeout: int) -> dict:
+    """{file: {line: [tests]}}: which tests run each line of the lesson's files, the fastest
+    first, from one run of `tests` under coverage, each test its own context (pytest-cov)."""
+    import coverage
+
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not full"]
+    command += ["--cov=.", "--cov-context=test", "--cov-report=", "--junitxml=junit.xml"]
+    subprocess.run([*command, *tests], cwd=folder, capture_output=True, timeout=timeout)
+    seconds = {}
+    for case in ET.parse(folder / "junit.xml").iter("testcase"):
+        module, _, cls = case.get("classname").partition(".Test")
+        path = module.replace(".", "/") + ".py"
+        seconds[f"{path}::{case.get('name')}"] = float(case.get("time"))
+    data = coverage.CoverageData(basename=str(folder / ".coverage"))
+    data.read()
+    reach = {}
+    for file in FILES:
+        lines = data.contexts_by_lineno(str(folder / file))
+        reach[file] = {
+            line: sorted(
+                {c.rsplit("|", 1)[0] for c in contexts if c} & seconds.keys(), key=seconds.get
+            )
+            for line, contexts in lines.items()
+        }
+    return reach
+
+
+def generated(args):
+    """--generated: make each mutant in a copy of the project, run the tests that reach its
+    lines (the fastest `--fastest` first, then, if it survives, all of them), and list the
+    survivors."""
+    mutants = [m for file in FILES for m in generate(file)]
+    mutants = [m for i, m in enumerate(mutants, 1) if not args.only or i in args.only]
+    with tempfile.TemporaryDirectory(prefix="mutants-") as tmp:
+        folder = Path(tmp)
+        copy_project(folder)
+        if args.map and Path(args.map).exists():
+            reach = json.loads(Path(args.map).read_text())
+        else:
+            start = time.perf_counter()
+            reach = reach_map(folder, tuple(args.reach_tests), args.timeout * 4)
+            print(f"reach map: {time.perf_counter() - start:.0f}s", flush=True)
+            Path(args.map or "reach.json").write_text(json.dumps(reach))
+            reach = json.loads(json.dumps(reach))  # its lines as the file has them: strings
+        results = []
+        for i, m in enumerate(mutants, 1):
+            lines = range(m.start[0], m.end[0] + 1)
+            tests = list(dict.fromkeys(t for n in lines for t in reach[m.file].get(str(n), [])))
+            path = folder / m.file
+            original = path.read_text()
+            path.write_text(mutated(original, m))
+            try:
+                caught, seconds = None, 0.0
+                for chosen in (tests[: args.fastest], tests[args.fastest :]):
+                    if chosen and not caught:
+                        status, failed, _, spent, _ = run_tests(folder, tuple(chosen), args.timeout)
+                        caught, seconds = (
+                            (failed or f"exit {status}") if status else None,
+                            seconds + spent,
+                        )
+            except subprocess.TimeoutExpired:
+                caught, seconds = "timeout", float(args.timeout)
+            finally:
+                path.write_text(original)
+            fate = caught or ("no test reaches it" if not tests else "survived")
+            results.append((m, caught, len(tests), seconds))
+            print(
+                f"{i}/{len(mutants)} {m.key}: {fate} ({len(tests)} tests, {seconds:.0f}s)",
+                flush=True,
+            )
+    killed = sum(bool(c) for _, c, _, _ in results)
+    argued = sum(m.key in EQUIVALENT for m, c, _, _ in results if not c)
+    lines = [
+        f"{killed} of {len(results)} killed; {argued} of the survivors argued equivalent below.",
+        "",
+        "| mutant | tests that reach it | why it lives |",
+        "|---|---|---|",
+    ]
+    for m, caught, reached, _ in results:
+        if not caught:
+            why = EQUIVALENT.get(m.key, "**survives**")
+            lines.append(f"| `{m.key}` (line {m.start[0]}) | {reached} | {why} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        page = PAGE.read_text()
+        PAGE.write_text(
+            GENERATED.sub(
+                lambda _: f"<!-- generated:start -->\n{text}\n<!-- generated:end -->", page
+            )
+        )
+    return 0 if all(c or m.key in EQUIVALENT for m, c, _, _ in results) else 1
+
+
 def copy_project(folder: Path):
     """The files git tracks (and the ones it does not ignore), as a clean clone has them."""
     listed = subprocess.run(
@@ -621,7 +828,17 @@ def main():
     parser.add_argument(
         "--timeout", type=int, default=1800, help="seconds allowed for each bug's tests"
     )
+    parser.add_argument(
+        "--generated", action="store_true", help="the generated mutants of the lesson instead"
+    )
+    parser.add_argument("--map", help="the reach map's file: read if it exists, else written")
+    parser.add_argument("--reach-tests", nargs="*", default=[], help="the map's tests (all)")
+    parser.add_argument(
+        "--fastest", type=int, default=6, help="generated: tests tried before all that reach it"
+    )
     args = parser.parse_args()
+    if args.generated:
+        sys.exit(generated(args))
     chosen = [(i, bug) for i, bug in enumerate(BUGS, 1) if not args.only or i in args.only]
     for i, bug in chosen:  # every edit applies: its text is in the file once
         count = (ROOT / bug.file).read_text().count(bug.old)

@@ -396,7 +396,7 @@ BAD_INPUTS = [
         ["--distributed", "--coordinator-address", "localhost:1", "--num-processes", "2"]
         + ["--process-id", "1", "--cpu-devices", "4", "--heartbeat-timeout", "30"],
         ("shardmap_dp",),
-        "--distributed finds the cluster itself, without --coordinator-address",
+        "--distributed finds the cluster itself: give no --coordinator-address",
     ),
     # Many flags, refused by the last check that reads them, with an example that passes every
     # check: the pairs a checking function reads, set together (dev/flags.py)
@@ -425,10 +425,11 @@ BAD_INPUTS = [
         "--no-remat",
     ),
     (
-        ["--model", "tests/llama.py", "--top-k", "1", "--vocab-size", "512", "--tie-embeddings"],
+        ["--model", "tests/llama.py", "--experts", "4", "--top-k", "1", "--vocab-size", "512"],
         ("shardmap_dp",),
-        "--tie-embeddings is the GPT's",
+        "--experts 4: the model's parameters are the same without it",
     ),
+    (["--top-k", "1"], ("fsdp",), "--top-k needs --experts, e.g. --experts 8"),  # before: ignored
     (["--dataset", "TEXT.txt", "--experts", "4", "--top-k", "5"], ("shardmap_dp",), "--top-k must"),
     (
         ["--model", "tests/llama.py", "--experts", "4"],

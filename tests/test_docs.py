@@ -1,6 +1,7 @@
 """The documentation cannot go stale: its excerpts are the scripts' code and output, and
 README.md stays what a newcomer reads first."""
 
+import ast
 import re
 import subprocess
 import sys
@@ -230,6 +231,29 @@ def test_the_mutation_table_is_the_catalogues():
         assert (ROOT / bug.file).read_text().count(bug.old) == 1, f"bug {i}: {bug.old!r}"
 
 
+def test_each_generated_mutant_is_one_edit_of_the_lesson():
+    """dev/mutations.py --generated: each mutant of the lesson (common.py's model to data, the
+    scripts' functions) is a program that differs from the code only inside the node it names,
+    by the edit it names; every kind found, each mutant named once."""
+    sys.path.insert(0, str(ROOT / "dev"))
+    import mutations
+
+    mutants = [m for file in mutations.FILES for m in mutations.generate(file)]
+    assert len({m.key for m in mutants}) == len(mutants) > 100
+    for kind in (" <= ", " > ", " != ", " == ", "axis=-2", "+ 1 ->", "- 1 ->"):
+        assert any(kind in m.what for m in mutants), kind
+    assert not any(m.function == "main" for m in mutants)
+    for m in mutants:
+        text = (ROOT / m.file).read_text()
+        new = mutations.mutated(text, m)
+        ast.parse(new)
+        lines, changed = text.splitlines(), new.splitlines()
+        after = len(lines) - m.end[0]  # the lines after the node's, unchanged
+        assert changed[: m.start[0] - 1] == lines[: m.start[0] - 1], m.key
+        assert changed[len(changed) - after :] == lines[len(lines) - after :], m.key
+        assert m.new in new and new != text, m.key
+
+
 def test_the_parity_matrix_is_the_tests():
     """docs/checks.md has a row for every strategy and model the tests train, with the bounds
     the tests hold them to, and every figure within its bound (dev/parity.py --write measures
@@ -312,19 +336,21 @@ def test_the_readmes_line_counts_are_the_files():
 
 def test_common_py_keeps_its_parts_within_their_bounds():
     """common.py: the lesson, then the cost report (at most 100 lines: the rest of the HLO reading
-    went to tools/hlo.py, 312 -> 98), then the harness (at most 590: compile_step and
+    went to tools/hlo.py, 312 -> 98), then the harness (at most 591: compile_step and
     show_sharding came from the cost report, 496 -> 545; the loop's exits, StopSignals and
     stop_if_not_finite, out of Checkpoints and Logger, 15; a model's own failure in the step in
-    one line, 29), 2,116 in all (the TPU's kernels moved in from kernels.py, so that a copy of
-    two files runs on a TPU, 148; any model the Flax docs write, the flags it ignores refused,
-    165); what a copier of fsdp.py carries is what the README says."""
+    one line, 29; --distributed beside a cluster given by hand refused, 1), 2,119 in all (the
+    TPU's kernels moved in from kernels.py, so that a copy of two files runs on a TPU, 148; any
+    model the Flax docs write, the flags it ignores refused, 165; a mixture's flags without
+    --experts refused, and --distributed's, 3); what a copier of fsdp.py carries is what the
+    README says."""
     lines = (ROOT / "common.py").read_text().splitlines()
     cost = (
         lines.index("# What a run costs, measured from the real arrays and the compiled step") - 1
     )
     harness = next(i for i, line in enumerate(lines) if line.startswith("# THE HARNESS")) - 1
-    assert 0 < cost < harness and harness - cost <= 100 and len(lines) - harness <= 590
-    assert len(lines) <= 2116
+    assert 0 < cost < harness and harness - cost <= 100 and len(lines) - harness <= 591
+    assert len(lines) <= 2119
     readme = (ROOT / "README.md").read_text()
     carried = int(
         re.search(r"A copier of `fsdp.py` carries ([\d,]+) lines", readme)[1].replace(",", "")
