@@ -1,15 +1,16 @@
-"""Which compared runs set each flag away from its default: docs/flags.md's table.
+"""Which compared runs set each flag away from its default, and each pair of flags one function
+reads together: docs/flags.md's two tables.
 
 A flag that no compared run sets (compared with one device, with a definition written in a
 test, or with a formula) guards code that could be wrong in any way: nothing would notice. The
 tests record every compared run's flags (tests/harness.py's record_flags, into $FLAGS_RECORD);
-this tool turns a whole run's records into the table, and tests/test_flags.py fails for a flag
-the table leaves without one. A flag every script shares (common.Config's) counts once, under
-any script; a script's own flag (one it adds, or whose default or meaning it changes) only in
-runs of that script. The tool lists too the pairs of flags one function reads (found in the
-code) that no compared run sets together. After the tests, conftest.py checks the table's
-examples that ran against what they recorded, so the table cannot keep a claim a test stopped
-making.
+this tool turns a whole run's records into the tables, and tests/test_flags.py fails for a row
+without a test. A flag every script shares (common.Config's) counts once, under any script; a
+script's own flag (one it adds, whose default or meaning it changes, or its own code reads)
+only in runs of that script. Pairs are read from the code (the AST): the flags each function
+reads. A refusal's runs (tests/test_command_line.py's) count for the functions that refuse
+flags. After the tests, conftest.py checks the tables' examples that ran against what they
+recorded, so a table cannot keep a claim a test stopped making.
 
   FLAGS_RECORD=/tmp/flags pytest -m ""        # every test, recording (about 45 minutes)
   python dev/flags.py /tmp/flags --write    # rewrite docs/flags.md's table from the records
@@ -125,15 +126,19 @@ def read_by_scripts() -> dict:
     return found
 
 
-def unread(records) -> list:
-    """[(flag, script)] a script's own code reads and none of its runs sets."""
-    compared = covering([r for r in records if not r.get("checked")])
-    checked, refuses = covering([r for r in records if r.get("checked")], True), refusing()
-    return sorted(
-        key
-        for key, functions in read_by_scripts().items()
-        if key not in compared and (key not in checked or not set(functions) <= refuses)
-    )
+def rows() -> set:
+    """{(flag, script or SHARED)}: the table's rows, required()'s and read_by_scripts()'s."""
+    return required() | read_by_scripts().keys()
+
+
+def setting(records) -> dict:
+    """{(flag, script or SHARED): the tests that set it}: compared runs; where every function of
+    a script's own code that reads it refuses flags, runs only checked too."""
+    found, checked, refuses = covering(records), covering(records, True), refusing()
+    for key, functions in read_by_scripts().items():
+        if not found.get(key) and set(functions) <= refuses:
+            found[key] = checked.get(key, set())
+    return found
 
 
 def covered_pairs(records) -> dict:
@@ -214,14 +219,14 @@ def covering(records, checked=False) -> dict:
 
 def table(records, plain: set) -> str:
     """The markdown table: each flag, whose it is, how many tests set it, a few of them."""
-    found, rows = covering(records), []
-    for name, script in sorted(required()):
+    found, lines = setting(records), []
+    for name, script in sorted(rows()):
         tests = sorted(found.get((name, script), ()), key=lambda t: (t not in plain, t))
         examples = ", ".join(f"`{t}`" for t in tests[:EXAMPLES]) or "**none**"
         whose = SHARED if script == SHARED else f"`{script}.py`"
-        rows.append(f"| `{flag(name)}` | {whose} | {len(tests)} | {examples} |")
+        lines.append(f"| `{flag(name)}` | {whose} | {len(tests)} | {examples} |")
     head = "| flag | of | tests that set it in a compared run | e.g. |\n|---|---|---|---|\n"
-    return head + "\n".join(rows)
+    return head + "\n".join(lines)
 
 
 def read_table(text=None) -> dict:
@@ -271,7 +276,7 @@ def stale(folder, ran: set) -> list:
     """The tables' examples that ran in this session and did not set their flag (or pair): one
     line each."""
     records = recorded(folder)
-    found, together = covering(records), pair_tests(records)
+    found, together = setting(records), pair_tests(records)
     flags_ = [
         f"{test} no longer sets {flag(name)} in a compared run"
         for (name, script), (_, examples) in read_table().items()
@@ -308,10 +313,7 @@ def main():
     text, pairs = table(records, plain), pair_table(records, plain)
     print(text)
     missing = text.count("**none**")
-    print(f"{len(required())} flags, {len({r['test'] for r in records})} tests, {missing} unset")
-    unset = unread(records)
-    for name, script in unset:
-        print(f"read by {script}.py, never set in its runs: {flag(name)}")
+    print(f"{len(rows())} flags, {len({r['test'] for r in records})} tests, {missing} unset")
     left = open_pairs(records)
     for (a, b, whose), functions in sorted(left.items()):
         print(f"never together: {flag(a)} {flag(b)} ({whose}: {', '.join(functions)})")
@@ -320,7 +322,7 @@ def main():
         page = MARKER.sub(f"<!-- flags:start -->\n{text}\n<!-- flags:end -->", PAGE.read_text())
         PAGE.write_text(PAIRS.sub(f"<!-- pairs:start -->\n{pairs}\n<!-- pairs:end -->", page))
         print(f"wrote {PAGE.relative_to(ROOT)}")
-    return 1 if missing or unset or left else 0
+    return 1 if missing or left else 0
 
 
 if __name__ == "__main__":

@@ -746,12 +746,11 @@ def generated(args):
     text = "\n".join(lines)
     print(text)
     if args.write:
-        page = PAGE.read_text()
-        PAGE.write_text(
-            GENERATED.sub(
-                lambda _: f"<!-- generated:start -->\n{text}\n<!-- generated:end -->", page
-            )
+        page, block = PAGE.read_text(), f"<!-- generated:start -->\n{text}\n<!-- generated:end -->"
+        page = (
+            GENERATED.sub(lambda _: block, page) if GENERATED.search(page) else f"{page}\n{block}\n"
         )
+        PAGE.write_text(page)
     return 0 if all(c or m.key in EQUIVALENT for m, c, _, _ in results) else 1
 
 

@@ -10,9 +10,10 @@ from dev import flags
 
 
 def test_every_flag_is_set_by_a_compared_run():
-    """Every flag of every script (a shared one once, a script's own in that script's runs) has a
-    row in docs/flags.md with at least one test, and the table names no flag that is gone."""
-    rows, needed = flags.read_table(), flags.required()
+    """Every flag of every script (a shared one once, a script's own in that script's runs, and
+    each one a script's own code reads in that script's runs) has a row in docs/flags.md with at
+    least one test, and the table names no flag that is gone."""
+    rows, needed = flags.read_table(), flags.rows()
     unset = sorted(
         f"{flags.flag(name)} ({whose})"
         for name, whose in needed
@@ -21,6 +22,21 @@ def test_every_flag_is_set_by_a_compared_run():
     assert not unset, f"no compared run sets {', '.join(unset)}"
     assert set(rows) == needed, sorted(set(rows) ^ needed)
     assert all(len(examples) == min(count, flags.EXAMPLES) for count, examples in rows.values())
+
+
+def test_every_pair_one_function_reads_is_set_together():
+    """Every pair of flags one function reads (dev/flags.py finds them in the code) has a row in
+    docs/flags.md's second table with a test that sets both in one run, or that shows them
+    refused together; and the table names no pair the code no longer reads."""
+    rows, needed = flags.read_pairs(), flags.required_pairs()
+    alone = sorted(
+        f"{flags.flag(a)} {flags.flag(b)} ({whose})"
+        for (a, b, whose), (count, _) in rows.items()
+        if not count
+    )
+    assert not alone, f"no test sets together {', '.join(alone)}"
+    assert set(rows) == set(needed), sorted(set(rows) ^ set(needed))
+    assert all(len(examples) == 1 for _, examples in rows.values())
 
 
 def test_a_flag_a_script_adds_or_redefines_is_its_own():
