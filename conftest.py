@@ -1,10 +1,11 @@
 """Start JAX with 8 emulated CPU devices before any test touches a device.
 
-The tests compile far more than they run (a few steps of a tiny model, about sixty times), so
-they ask XLA for less optimised machine code: this shortens each compilation by about a
-third on CPU. It changes nothing the tests check: XLA's HLO passes, and so the collectives
-and shardings, are the same, and every comparison is between programs compiled alike. The
-scripts' subprocesses inherit the setting.
+The tests compile far more than they run (a few steps of a tiny model, hundreds of times), so
+they ask XLA:CPU for less optimised machine code and its older fusion emitter: each shortens a
+compilation by about a quarter. Neither changes what the tests compare: the collectives and
+shardings are the same, and every comparison is between programs compiled alike. The older
+emitter sizes some temporaries otherwise: the tests that check a figure docs/ states in bytes
+compile as users do (users_compile, below). The scripts' subprocesses inherit both.
 """
 
 import os
@@ -13,7 +14,8 @@ import tempfile
 import pytest
 
 os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    os.environ.get("XLA_FLAGS", "")
+    + " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 ).strip()
 # Many runs compile the same programs (a resumed run, the same script in another test, the
 # processes of a multi-process run): a compilation cache for this session, shared with the
@@ -31,6 +33,16 @@ import jax  # noqa: E402
 # As the scripts do (common.start_devices): enough threads that XLA's CPU client cannot deadlock.
 os.environ.setdefault("PJRT_NPROC", str(max(os.cpu_count() or 1, 2 * 8)))
 jax.config.update("jax_num_cpu_devices", 8)
+
+
+@pytest.fixture
+def users_compile(monkeypatch):
+    """The scripts' steps compiled with XLA:CPU's own fusion emitter, as users' are: for the
+    figures docs/ states in bytes."""
+    import common
+
+    options = {**common.CPU_COMPILER_OPTIONS, "xla_cpu_use_fusion_emitters": True}
+    monkeypatch.setattr(common, "CPU_COMPILER_OPTIONS", options)
 
 
 def group(nodeid: str) -> str:

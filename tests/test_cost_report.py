@@ -458,7 +458,7 @@ def slots(schedule, microbatches, virtual=1):
 
 # 4 and 16 micro-batches in every pytest, the table's 8 too with -m full.
 @pytest.mark.parametrize("counts", matrix([[4, 16], [4, 8, 16]], []), ids=["4-16", "4-8-16"])
-def test_1f1b_keeps_fewer_activations_than_gpipe(counts):
+def test_1f1b_keeps_fewer_activations_than_gpipe(counts, users_compile):
     """4 stages of one layer with 4, 8 and 16 micro-batches: GPipe keeps every micro-batch's
     input until the backwards begin, so its temporaries grow with the micro-batches; 1F1B keeps
     at most 4 (the stages): about flat. Zero-bubble keeps at most 4 too, each with its output's
@@ -505,7 +505,7 @@ def test_1f1b_keeps_fewer_activations_than_gpipe(counts):
 
 
 @FULL
-def test_interleaving_keeps_more_inputs_and_recomputes_less():
+def test_interleaving_keeps_more_inputs_and_recomputes_less(users_compile):
     """4 stages of two layers, 1F1B against interleaved with two groups of one layer each: the
     interleaved warm-up keeps more inputs, (V - 1) S + 2 (S - 1) + 1 = 11 at most (but at most
     V M = 8 with 4 micro-batches), and each backward recomputes one layer instead of two. Its
@@ -549,7 +549,7 @@ def test_context_parallel_activation_memory(length):
             return state.apply_gradients(grads=grads), metrics
 
         batch = jax.ShapeDtypeStruct((config.batch_size, config.seq_len + 1), jnp.int32)
-        return jax.jit(step).lower(state, batch).compile().memory_analysis().temp_size_in_bytes
+        return temporaries(jax.jit(step).lower(state, batch))
 
     def context_eight(config):
         mesh = context_parallel.make_mesh(config)
@@ -566,7 +566,11 @@ def test_context_parallel_activation_memory(length):
             (config.batch_size, 2, config.seq_len), jnp.int32, sharding=sharding
         )
         shapes = context_parallel.init_state(config, mesh, shapes_only=True)
-        return step.lower(shapes, batch).compile().memory_analysis().temp_size_in_bytes
+        return temporaries(step.lower(shapes, batch))
+
+    def temporaries(lowered):  # compiled as users' are (conftest.py's users_compile)
+        options = {"xla_cpu_use_fusion_emitters": True}
+        return lowered.compile(options).memory_analysis().temp_size_in_bytes
 
     model = dict(layers=2, d_model=64, heads=4, batch_size=2, dropout=0.0, cpu_devices=DEVICES)
     one = one_device(common.Config(**model, seq_len=length))
@@ -762,8 +766,11 @@ def test_the_branches_send_what_their_formulas_say():
 def kept_per_row(name):
     """What a strategy's compiled step holds for each row of the batch, per device: the growth
     of its temporaries (XLA's memory analysis) from 16 rows to 32, over 16."""
-    grown = run_uncached(name, steps=1, eval_every=0, batch_size=32).summary
-    return (grown["compiled_temp_bytes"] - run(name).summary["compiled_temp_bytes"]) / 16
+    small, grown = (
+        run_uncached(name, steps=1, eval_every=0, batch_size=rows).summary["compiled_temp_bytes"]
+        for rows in (16, 32)
+    )
+    return (grown - small) / 16
 
 
 def kept_formula(name):
@@ -809,7 +816,7 @@ def kept_formula(name):
         ["shardmap_dp", "pjit_tp", "pjit_tp_sp", "context_ulysses", "pipeline_1f1b"],
     ),
 )
-def test_each_strategy_keeps_the_activations_its_formula_says(name):
+def test_each_strategy_keeps_the_activations_its_formula_says(name, users_compile):
     """docs/costs.md's fourth table: the compiled step's temporaries grow per row of the batch
     by 1.3 to 2.4 x the activations the formula says the backward keeps (XLA's peak holds the
     backward's own working set beside them), and the table states what is measured (2%, under
