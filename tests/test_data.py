@@ -500,3 +500,12 @@ def test_a_loader_file_without_load_is_one_line(tmp_path, monkeypatch, capsys):
     out, err = capsys.readouterr()
     assert exit_info.value.code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
     assert "--dataset my_data.py has no load(config)" in err, err
+
+
+def test_a_first_token_is_in_the_vocabulary_if_the_stationary_sums_short_of_a_draw():
+    """Where the stationary distribution's running sum ends short of 1 (its last bit rounded
+    down) a draw above it takes the last token, not one past the vocabulary."""
+    data = common.SyntheticData(seed=3, seq_len=16)
+    data.stationary = data.stationary / 2  # half the draws above its end
+    first = data.batch(7, 0, 64)[:, 0]
+    assert first.max() == data.vocab - 1 and (first == data.vocab - 1).mean() > 0.3

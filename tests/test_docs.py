@@ -234,7 +234,7 @@ def test_the_mutation_table_is_the_catalogues():
 def test_each_generated_mutant_is_one_edit_of_the_lesson():
     """dev/mutations.py --generated: each mutant of the lesson (common.py's model to data, the
     scripts' functions) is a program that differs from the code only inside the node it names,
-    by the edit it names; every kind found, each mutant named once."""
+    by the edit it names; every kind found, each mutant named once, each argued one among them."""
     sys.path.insert(0, str(ROOT / "dev"))
     import mutations
 
@@ -243,6 +243,7 @@ def test_each_generated_mutant_is_one_edit_of_the_lesson():
     for kind in (" <= ", " > ", " != ", " == ", "axis=-2", "+ 1 ->", "- 1 ->"):
         assert any(kind in m.what for m in mutants), kind
     assert not any(m.function == "main" for m in mutants)
+    assert set(mutations.EQUIVALENT) <= {m.key for m in mutants}  # each argument still a mutant's
     for m in mutants:
         text = (ROOT / m.file).read_text()
         new = mutations.mutated(text, m)

@@ -134,3 +134,27 @@ def test_dropout_is_on_and_every_mask_is_drawn_once(name, monkeypatch):
     off = abs(result.summary["eval_loss"] - held_out) / held_out
     print(f"{name}: held-out loss {result.summary['eval_loss']:.6f}, without dropout {off:.1e} off")
     assert off <= RTOL
+
+
+@pytest.mark.parametrize("scanned", [False, True], ids=["loop", "scan_layers"])
+def test_each_piece_draws_from_its_own_key(scanned, monkeypatch):
+    """The embedding, every block and the head are each given their own key of the step's, under
+    the layer loop and the scanned one: a model whose head drops (the GPT's does not, so its masks
+    cannot tell) draws no block's masks."""
+    keys = []
+
+    def spy(piece, params, x, rng=None):
+        data = jax.random.key_data(rng)
+        jax.debug.callback(lambda k: keys.append((piece.name, tuple(np.asarray(k)))), data)
+        return run_piece(piece, params, x, rng)
+
+    run_piece = common.run_piece
+    monkeypatch.setattr(common, "run_piece", spy)
+    config = common.Config(**{**SMALL, "layers": 3, "dropout": RATE, "scan_layers": scanned})
+    model = common.make_model(config)
+    params = common.init_params(model, jax.random.key(0))
+    tokens = jnp.zeros((2, config.seq_len), jnp.int32)
+    jax.jit(model)(params, tokens, jax.random.key(1))
+    jax.effects_barrier()
+    assert sorted(name for name, _ in keys) == ["block"] * 3 + ["embed", "head"]
+    assert len({key for _, key in keys}) == len(keys), "two pieces drew from one key"

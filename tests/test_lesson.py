@@ -297,3 +297,24 @@ def test_splash_attention_is_causal_softmax_attention(dtype, tolerance):
         np.testing.assert_allclose(
             g.astype(np.float32), e.astype(np.float32), atol=tolerance * scale
         )
+
+
+def kernel_specs(kernel, *args):
+    """The shard_map a TPU kernel runs in under pjit_tp.py's mesh (data=2, model=4, Auto axes,
+    no rules): its arguments' specs (after the constants it closes over), traced, not compiled."""
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    with jax.set_mesh(jax.make_mesh((2, 4), ("data", "model"), axis_types=auto)):
+        jaxpr = jax.make_jaxpr(kernel)(*args)
+    specs = next(e for e in jaxpr.eqns if e.primitive.name == "shard_map").params["in_specs"]
+    return specs[-len(args) :]
+
+
+def test_the_kernels_take_each_devices_share():
+    """Splash attention each device's rows and heads (Megatron's layout), the grouped matmul
+    each its rows over every axis that divides them: never the whole batch on every device,
+    which computes the same values at 8 x the work."""
+    q = jnp.zeros((16, 128, 4, 16))
+    assert kernel_specs(common.splash_attention, q, q, q)[0] == jax.P("data", None, "model", None)
+    x, kernel, sizes = jnp.zeros((8, 16, 32)), jnp.zeros((4, 32, 32)), jnp.ones((8, 4), jnp.int32)
+    specs = kernel_specs(common.megablox_matmul, x, kernel, sizes)
+    assert specs[0] == jax.P(("data", "model")) and specs[1] == jax.P()
