@@ -581,7 +581,6 @@ FLIP = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt}
 FLIP |= {ast.Eq: ast.NotEq, ast.NotEq: ast.Eq}
 GENERATED = re.compile(r"<!-- generated:start -->\n.*?<!-- generated:end -->", re.DOTALL)
 # Survivors that compute the same as the code: {"file:function: edit": why, in one line}
-# The generated mutants that compute what the code does, each with the reason (--generated)
 EQUIVALENT = {
     "common.py:clip: norm < max_norm -> norm <= max_norm": "at the bound, g / n x c is g",
     "common.py:grouped_by_expert: expert >= here -> expert > here": "the next device's first "

@@ -568,7 +568,7 @@ def test_context_parallel_activation_memory(length):
         shapes = context_parallel.init_state(config, mesh, shapes_only=True)
         return temporaries(step.lower(shapes, batch))
 
-    def temporaries(lowered):  # compiled as users' are (conftest.py's users_compile)
+    def temporaries(lowered):  # compiled with XLA:CPU's own fusion emitter, as users' are
         options = {"xla_cpu_use_fusion_emitters": True}
         return lowered.compile(options).memory_analysis().temp_size_in_bytes
 

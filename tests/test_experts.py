@@ -351,23 +351,3 @@ def test_the_grouped_matmul_is_megablox_on_a_tpu_only(monkeypatch):
     assert common.grouped_matmul() is jax.lax.ragged_dot_general
     monkeypatch.setattr(jax, "devices", lambda *_: [type("TPU", (), {"platform": "tpu"})()])
     assert common.grouped_matmul() is common.megablox_matmul
-
-
-def test_each_slot_takes_its_own_experts_bias():
-    """Given the groups' sizes, a slot is its group's expert's x W + b, an empty group takes no
-    slot, and a slot past the groups is zero: against a loop over the slots."""
-    config = common.Config(**{**SMALL, **MOE, "experts": 3})
-    with nnx.use_eager_sharding(False):  # no mesh here
-        dense = common.ExpertDense(config, 4, 5, (None, None), rngs=nnx.Rngs(0))
-    dense.bias[...] = jnp.arange(1.0, 16.0).reshape(3, 5)  # each expert's own
-    x = jax.random.normal(jax.random.key(1), (2, 6, 4))
-    sizes = jnp.array([[2, 1, 2], [0, 3, 3]])  # the first row's last slot in no group
-    got = dense(x, sizes)
-    for row, groups in enumerate(np.asarray(sizes)):
-        owners = np.repeat(np.arange(3), groups)
-        for slot in range(6):
-            want = np.zeros(5)
-            if slot < len(owners):
-                e = owners[slot]
-                want = x[row, slot] @ dense.kernel[e] + dense.bias[e]
-            np.testing.assert_allclose(got[row, slot], want, rtol=1e-5, atol=1e-6)
