@@ -502,6 +502,20 @@ def test_a_loader_file_without_load_is_one_line(tmp_path, monkeypatch, capsys):
     assert "--dataset my_data.py has no load(config)" in err, err
 
 
+def test_a_draw_on_a_bound_takes_that_successor_and_past_the_last_the_last():
+    """The compiled walk at the edges of its exact comparison: a draw equal to a successor's
+    running sum takes that successor, one more the next, and above the last sum (rounded short
+    of 1) the last."""
+    data = common.SyntheticData(seed=0, seq_len=4, vocab=8)
+    bounds = np.floor(data.cumulative * 2.0**53).astype(np.int64)
+    bounds[:, -1] -= 2  # the largest draws above the last running sum
+    tables = (*common._halves(bounds), data.successors.astype(np.int32))
+    token, j = np.arange(8).repeat(4), np.tile(np.arange(4), 8)  # each token, each successor
+    for k, taken in ((bounds[token, j], j), (bounds[token, j] + 1, np.minimum(j + 1, 3))):
+        walked = common._markov_walk(token.astype(np.int32), *common._halves(k[None]), *tables)
+        assert (np.asarray(walked)[0] == data.successors[token, taken]).all()
+
+
 def test_a_first_token_is_in_the_vocabulary_if_the_stationary_sums_short_of_a_draw():
     """Where the stationary distribution's running sum ends short of 1 (its last bit rounded
     down) a draw above it takes the last token, not one past the vocabulary."""

@@ -346,6 +346,17 @@ def test_one_expert_per_token_still_teaches_the_router():
         assert router > 1e-3 * experts  # rounding would be ~1e-7 of it
 
 
+def test_megablox_on_several_rows_is_each_rows_ragged_dot():
+    """Several rows' slots, each row grouped by expert, slots to spare: megablox's one grouped
+    matmul for them all (the slots sorted by expert) is XLA's ragged_dot of each row."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(3, 8, 16)), jnp.float32)
+    kernel = jnp.asarray(rng.normal(size=(4, 16, 24)), jnp.float32)
+    sizes = jnp.array([[2, 0, 3, 1], [1, 1, 1, 1], [0, 4, 0, 4]], jnp.int32)  # 6, 4, 8 of 8
+    rows = [jax.lax.ragged_dot(x[r], kernel, sizes[r]) for r in range(3)]
+    np.testing.assert_allclose(common.megablox_matmul(x, kernel, sizes), jnp.stack(rows), 1e-5)
+
+
 def test_the_grouped_matmul_is_megablox_on_a_tpu_only(monkeypatch):
     """XLA's ragged_dot here; megablox's kernel where the first device is a TPU."""
     assert common.grouped_matmul() is jax.lax.ragged_dot_general

@@ -239,3 +239,20 @@ def test_every_refusal_gives_a_fix_that_runs_there(script, monkeypatch):
                 assert not said, f"{script} on {n} GPUs refuses its defaults: {said[0]}"
             refusals += len(said)
     print(f"\n{script}: {refusals} refusals on {len(HOSTS)} counts, each example accepted")
+
+
+def test_fsdp_keeps_its_data_axis_and_splits_no_scanned_layers_axis():
+    """fsdp.py's mesh names 'data' at size 1 too (--mesh replica=8,data=1: HSDP that splits
+    nothing), which every split parameter's layout names; a parameter of --min-shard-size values
+    is split; --scan-layers' axis of layers never is, even where it divides (16 on 8)."""
+    import fsdp
+
+    assert dict(fsdp.make_mesh(fsdp.Config(mesh="replica=8,data=1")).shape) == {
+        "replica": 8,
+        "data": 1,
+    }
+    config = fsdp.Config(scan_layers=True, min_shard_size=16 * 8 * 4)
+    params = {"blocks": {"w": np.zeros((16, 8, 4))}, "head": {"w": np.zeros((16, 8, 4))}}
+    split = fsdp.shard_params(params, config)
+    assert split["blocks"]["w"].out_sharding == (None, "data", None)
+    assert split["head"]["w"].out_sharding == ("data", None, None)

@@ -58,7 +58,11 @@ def test_show_schedule_prints_each_stages_work_once_in_the_formulas_ticks(kind, 
     config = common.parse_config(pipeline.Config, None, flags)
     assert pipeline.main(config) is None
     record_flags(pipeline, config)
-    rows = [line.split(": ")[1].split() for line in capsys.readouterr().out.splitlines()[3:]]
+    head, said = capsys.readouterr().out.splitlines(), ", 4 groups of layers per stage"
+    assert head[0] == f"--schedule {kind} on 4 stages, 12 micro-batches{said * (virtual > 1)}:"
+    held = [most_held(kind, stages, microbatches, virtual, s) for s in range(stages)]
+    assert head[2].endswith(": " + " ".join(map(str, held)))  # micro-batches in flight
+    rows = [line.split(": ")[1].split() for line in head[3:]]
     ops = "FBW" if kind == "zero-bubble" else "FB"
     work = len(ops) * virtual * microbatches
     for s, row in enumerate(rows):
@@ -68,6 +72,11 @@ def test_show_schedule_prints_each_stages_work_once_in_the_formulas_ticks(kind, 
         assert done == sorted(expected), s
     ticks = work / (1 - bubble_formula(kind, stages, microbatches, virtual))
     assert len(rows) == stages and all(len(row) == round(ticks) for row in rows)
+    bubble = bubble_formula(kind, stages, microbatches, virtual)
+    assert (
+        head[1]
+        == f"schedule: {round(ticks)} ticks, {bubble:.0%} of the stages' ticks idle (the bubble)"
+    )
 
 
 def most_held(kind, stages, microbatches, virtual, s):
@@ -120,8 +129,30 @@ def test_schedule_is_valid_and_its_bubble_is_the_formulas(kind, stages, microbat
             sum(when[FORWARD, c, m] <= t < when[last, c, m] for c, m in mine) for t in range(ticks)
         ]
         assert max(held) == most_held(kind, stages, microbatches, virtual, s), f"{kind}: stage {s}"
+        for what, edge in (("input", 0), ("gradient", chunks - 1)):  # all that arrives is read
+            arrived = (table[:, s, COLUMNS[what][1]] >= 0).sum()
+            assert arrived == microbatches * sum(c != edge for c, _ in mine[::microbatches])
     idle = (table[:, :, OP] == IDLE).mean()
     assert idle == pytest.approx(bubble_formula(kind, stages, microbatches, virtual), abs=1e-12)
+
+
+def test_zero_bubble_keeps_what_each_input_grad_leaves_until_its_weight_grad():
+    """pipeline.place_kept: each INPUT_GRAD's slot, the lowest free, read by its WEIGHT_GRAD and
+    no other micro-batch's in between; -1 at every other operation; `stages` slots at most."""
+    for stages, microbatches in SIZES:
+        table = make_schedule("zero-bubble", stages, microbatches)
+        slots = pipeline.place_kept(table)
+        for s in range(stages):
+            held = {}
+            for t, (op, m, v) in enumerate(table[:, s, :3]):
+                if op == INPUT_GRAD:
+                    assert slots[t, s] == min(set(range(stages + 1)) - set(held.values()))
+                    held[v, m] = slots[t, s]
+                elif op == WEIGHT_GRAD:
+                    assert slots[t, s] == held.pop((v, m))
+                else:
+                    assert slots[t, s] == -1
+        assert slots.max() < stages
 
 
 def kept(table, s, what, sent, reads):

@@ -479,6 +479,14 @@ def test_a_text_file_is_read_as_bytes_its_last_tenth_held_out(tmp_path):
     assert not (data.batch(4, 0, 8) == train).all()
 
 
+def test_a_split_of_seq_len_plus_one_bytes_is_one_window_and_one_less_is_refused():
+    config = common.TrainingConfig(seq_len=16, dataset="input.txt")
+    data = common.TextFile(config, {"train": bytes(range(40)), "eval": bytes(range(17))})
+    assert (data.batch(0, 0, 2, "eval") == np.arange(17)).all()
+    with pytest.raises(common.ConfigError, match="held-out split has 16 bytes"):
+        common.TextFile(config, {"train": bytes(range(40)), "eval": bytes(range(16))})
+
+
 def test_a_text_file_trains(tmp_path):
     shutil.copy(ROOT / "README.md", tmp_path / "input.txt")
     done = run_script("shardmap_dp", tmp_path, "--dataset", "input.txt", *TINY, "--eval-every", "2")
