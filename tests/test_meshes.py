@@ -245,8 +245,7 @@ def test_fsdp_keeps_its_data_axis_and_splits_no_scanned_layers_axis():
     """fsdp.py's mesh names 'data' at size 1 too (--mesh replica=8,data=1: HSDP that splits
     nothing), which every split parameter's layout names; a parameter of --min-shard-size values
     is split; --scan-layers' axis of layers never is, even where it divides (16 on 8)."""
-    import fsdp
-
+    fsdp = SCRIPTS["fsdp"]
     assert dict(fsdp.make_mesh(fsdp.Config(mesh="replica=8,data=1")).shape) == {
         "replica": 8,
         "data": 1,

@@ -480,6 +480,7 @@ def test_a_text_file_is_read_as_bytes_its_last_tenth_held_out(tmp_path):
 
 
 def test_a_split_of_seq_len_plus_one_bytes_is_one_window_and_one_less_is_refused():
+    """A row is --seq-len + 1 bytes: a split of exactly that many is its one window."""
     config = common.TrainingConfig(seq_len=16, dataset="input.txt")
     data = common.TextFile(config, {"train": bytes(range(40)), "eval": bytes(range(17))})
     assert (data.batch(0, 0, 2, "eval") == np.arange(17)).all()
