@@ -1543,8 +1543,6 @@ class Config(TrainingConfig):
     keep: int = arg(3, "how many of the newest checkpoints to keep", min=1)
     log_every: int = arg(25, "print and record metrics every this many steps", min=1)
     metrics_file: str | None = arg(None, "write JSON Lines metrics here: logged steps, a summary")
-    show_sharding: bool = arg(False, "print every parameter's layout and bytes per device")
-    profile: str | None = arg(None, "write a jax.profiler trace of steps 2-4 to this folder")
     cpu_devices: int = arg(8, "emulated CPU devices per process, without a GPU or TPU", min=1)
     coordinator_address: str | None = arg(None, "several processes: host:port of process 0")
     num_processes: int = arg(1, "several processes: how many, with --coordinator-address", min=1)
@@ -1736,24 +1734,42 @@ class StopSignals:
             signal.signal(signum, handler)
 
 
-def stop_if_not_finite(config: Config, step: int, metrics):
-    """Every --log-every steps and at the last: stop if the step's loss is not finite."""
-    if (step + 1) % config.log_every and step + 1 != config.steps:
-        return
-    loss = host_value(metrics["loss_sum"]) / host_value(metrics["tokens"])
-    why = "a token id past --vocab-size (tools/check.py --dataset) or too high an --lr?"
-    if not math.isfinite(loss):
-        raise SystemExit(f"stopped: the loss is {loss} at step {step + 1}; not saved ({why})")
+def log_due(config: Config, step: int) -> bool:
+    """Whether the run prints step `step`: every --log-every steps and the last."""
+    return (step + 1) % config.log_every == 0 or step + 1 == config.steps
+
+
+def eval_due(config: Config, step: int) -> bool:
+    """Whether the run evaluates after step `step`: every --eval-every steps (0: never)."""
+    return bool(config.eval_every) and (step + 1) % config.eval_every == 0
+
+
+def stop_if_not_finite(what: str, value):
+    """The run's one stop, which the loop calls: exit, saving nothing, unless `value` (a number
+    or a tree of global arrays) is finite."""
+    if not (math.isfinite(value) if isinstance(value, float) else all_finite(value)):
+        why = "a token id past --vocab-size (tools/check.py --dataset) or too high an --lr?"
+        raise SystemExit(f"stopped: {what} is not finite; not saved ({why})")
+
+
+def all_finite(tree) -> bool:
+    """Whether every float in a tree of global arrays is (the same answer on every process)."""
+    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return not leaves or host_value(_all_finite(leaves)) == 1
+
+
+_all_finite = jax.jit(lambda leaves: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves])))
 
 
 class Checkpoints:
     """Orbax's Checkpointer and its policies: a save every --checkpoint-every steps, at the last
-    and when the run stops early, the newest --keep kept. The layout is the TrainState as global
-    arrays (to_saved, from_saved): any script resumes any other's."""
+    and when the run stops early, the newest --keep kept; a save that fails raises Orbax's error
+    at the next. The layout is the TrainState as global arrays (to_saved, from_saved): any
+    script resumes any other's."""
 
     def __init__(self, config: Config, to_saved=lambda s: s, from_saved=lambda saved, s: saved):
         self.config, self.to_saved, self.from_saved = config, to_saved, from_saved
-        self.checkpointer, self.saving, self.steps = None, None, []
+        self.checkpointer = None
         if config.checkpoint_dir:
             when = ocp.training.save_decision_policies
             every, last = when.FixedIntervalPolicy(config.checkpoint_every), [config.steps]
@@ -1765,70 +1781,42 @@ class Checkpoints:
                 preservation_policy=ocp.training.preservation_policies.LatestN(config.keep),
                 cleanup_tmp_directories=True,
             )
-            self.steps = sorted((c.step for c in self.checkpointer.checkpoints), reverse=True)
 
     def restore(self, state):
-        """The newest readable checkpoint, laid out like `state`, and its step; one that cannot be
-        read is moved aside (never deleted) and the one before tried."""
+        """The newest checkpoint, laid out like `state`, and its step; (state, 0) if none."""
+        if not (self.checkpointer and self.checkpointer.latest):
+            return state, 0
+        step, folder = self.checkpointer.latest.step, self.config.checkpoint_dir
         like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
-        failures, folder = [], self.config.checkpoint_dir
-        for step in self.steps:
-            try:
-                saved = self.checkpointer.load(step, jax.tree.map(like, self.to_saved(state)))
-                problem = None if all_finite(saved) else "it holds non-finite values"
-            except Exception as error:  # Orbax's errors have no common type
-                problem = one_line(error)
-            if multihost_utils.process_allgather(np.array(problem is None)).all():  # everywhere
-                log_print(f"resumed from the checkpoint of step {step} in {folder}")
-                return self.from_saved(saved, state), step
-            failures.append(f"{step}: {problem}")
-            path = os.path.join(os.path.abspath(folder), str(step))
-            aside = path + ".unreadable"
-            while os.path.exists(aside):
-                aside += "+"
-            if is_main_process():
-                os.rename(path, aside)
-                print(f"the checkpoint of step {failures[-1]}; moved it to {aside}")
-            multihost_utils.sync_global_devices(f"set aside {step}")
-            self.checkpointer.reload()
-        if failures:
-            why = f"holds no readable checkpoint ({'; '.join(failures)})"
-            exit_bad_input(f"--checkpoint-dir {folder} {why}, e.g. --checkpoint-dir runs/new")
-        return state, 0
+        try:
+            saved = self.checkpointer.load(step, jax.tree.map(like, self.to_saved(state)))
+            problem = None if all_finite(saved) else "it holds non-finite values"
+        except Exception as error:  # Orbax's errors have no common type
+            problem = one_line(error)
+        if problem:
+            aside = "move it out of the folder to resume from the one before"
+            exit_bad_input(
+                f"--checkpoint-dir {folder}: step {step} is unreadable ({problem}); {aside}"
+            )
+        log_print(f"resumed from the checkpoint of step {step} in {folder}")
+        return self.from_saved(saved, state), step
+
+    def due(self, step: int, stopping: bool) -> bool:
+        """Whether the state after step `step` is saved: a policy says so or the run stops."""
+        return bool(self.checkpointer) and (stopping or self.checkpointer.should_save(step + 1))
 
     def save(self, step: int, state, stopping: bool = False):
-        """After step `step`: save if a policy says so or the run is stopping; stop the run
-        instead of saving a state that is not finite."""
-        done, stop = step + 1, stopping
-        if self.checkpointer and (stop or self.checkpointer.should_save(done)):
-            if not all_finite(self.to_saved(state)):  # an update can overflow after a finite loss
-                raise SystemExit(f"stopped: the state after step {done} is not finite; not saved")
-            self.wait()
-            flags = {"flags": {n: getattr(self.config, n) for n in SHAPE_FLAGS + TRAJECTORY_FLAGS}}
-            save = self.checkpointer.save_async  # forced: the decision is made above
-            self.saving = done, save(done, self.to_saved(state), force=True, custom_metadata=flags)
-        if stop:
-            saved = "saved the checkpoint of" if self.checkpointer else "nothing saved at"
-            log_print(f"stopped: {saved} step {done}")
-
-    def wait(self):
-        """Wait for the save under way; one that failed (a full disk, say) stops the run."""
-        step, response = self.saving or (None, None)
-        self.saving = None
-        try:
-            response and response.result()
-        except Exception as error:
-            why = f"({one_line(error)}); the ones before it are intact"
-            raise SystemExit(f"error: the checkpoint of step {step} was not saved {why}") from None
+        """Save the state after step `step` in the background, with the flags it was made by."""
+        flags = {"flags": {n: getattr(self.config, n) for n in SHAPE_FLAGS + TRAJECTORY_FLAGS}}
+        saved = self.to_saved(state)
+        self.checkpointer.save_async(step + 1, saved, force=True, custom_metadata=flags)
+        if stopping:
+            log_print(f"stopped: saved the checkpoint of step {step + 1}")
 
     def close(self):
         """Wait for the saves still being written."""
         if self.checkpointer:
-            try:
-                self.wait()
-            finally:
-                with contextlib.suppress(Exception):  # a failed save: wait() reported it
-                    self.checkpointer.close()
+            self.checkpointer.close()
 
 
 def one_line(error: Exception) -> str:
@@ -1839,49 +1827,29 @@ def one_line(error: Exception) -> str:
     return f"{type(error).__name__}: {text if len(text) < 200 else '...' + text[-150:]}"
 
 
-def all_finite(tree) -> bool:
-    """Whether every floating-point value of a tree of (global) arrays is finite."""
-    leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-    return not leaves or host_value(_all_finite(leaves)) == 1
-
-
-_all_finite = jax.jit(lambda leaves: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves])))
-
-
 def check_checkpoint(config: Config):
     """Refuse a --checkpoint-dir of another model; say which flags changed since it was saved."""
-    folder = config.checkpoint_dir
+    folder, eg = config.checkpoint_dir, "e.g. --checkpoint-dir runs/new"
     if not folder or "://" in folder or not os.path.isdir(folder):
         return
     numbered = sorted((n for n in os.listdir(folder) if n.isdigit()), key=int)
     ours = [n for n in numbered if os.path.exists(f"{folder}/{n}/_CHECKPOINT_METADATA")]
     theirs = f"{folder} holds folders named {', '.join(numbered)} that are not checkpoints"
-    require(ours or not numbered, "checkpoint_dir", f"{theirs}, e.g. runs/new")
-    with ocp.training.Checkpointer(os.path.abspath(folder)) as checkpointer:
-        for step in sorted((c.step for c in checkpointer.checkpoints), reverse=True):
-            with contextlib.suppress(Exception):  # unreadable: restore() sets it aside
-                metadata = checkpointer.metadata(step)
-                saved = metadata.metadata["params"]
-                flags = (metadata.custom_metadata or {}).get("flags", {})
-                break
-        else:
-            return
-    where, eg = f"the checkpoint of step {step} in {folder}", "e.g. --checkpoint-dir runs/new"
+    require(ours or not numbered, "checkpoint_dir", f"{theirs}, {eg}")
+    if not ours:
+        return
+    flags, where = {}, f"the checkpoint of step {ours[-1]} in {folder}"
+    with contextlib.suppress(Exception), ocp.training.Checkpointer(os.path.abspath(folder)) as c:
+        flags = c.metadata(int(ours[-1])).custom_metadata["flags"]  # unreadable: restore() says
     for name in SHAPE_FLAGS:
-        same = flags.get(name, getattr(config, name)) == getattr(config, name)
-        text = f"{getattr(config, name)} differs from {flags.get(name)} in {where}"
-        require(same, name, f"{text}, e.g. {flag(name)} {flags.get(name)}")
-    fresh = jax.eval_shape(lambda: unbox(init_params(make_model(config), jax.random.key(0))))
-    shapes = [
-        {jax.tree_util.keystr(p, simple=True, separator="/"): x.shape for p, x in leaves}
-        for leaves in map(jax.tree_util.tree_leaves_with_path, (saved, fresh))
-    ]
-    for name in sorted(shapes[0].keys() | shapes[1].keys()):
-        there, here = (s.get(name, "absent") for s in shapes)
-        other = f"holds another model ({name}: {there} there, {here} here)"
-        require(there == here, "checkpoint_dir", f"{folder} {other}, {eg}")
+        here, there = getattr(config, name), flags.get(name, getattr(config, name))
+        require(
+            here == there,
+            name,
+            f"{here} differs from {there} in {where}, e.g. {flag(name)} {there}",
+        )
     now = {name: getattr(config, name) for name in TRAJECTORY_FLAGS}
-    changed = [f"{flag(n)} {flags[n]} -> {now[n]}" for n in now if flags.get(n, now[n]) != now[n]]
+    changed = [f"{flag(n)} {flags[n]} -> {v}" for n, v in now.items() if flags.get(n, v) != v]
     if changed:
         log_print(f"resuming with changed flags: {', '.join(changed)}")
 
@@ -1967,153 +1935,110 @@ class Result:
     router: list  # with --experts, every step's routing (routing()); else empty
 
 
-def show_sharding(params):
-    """Print each parameter's path, shape, PartitionSpec and bytes per device, then draw the
-    layout of the largest matrix the strategy splits (or the largest), the first of equals."""
-    device, leaves = jax.local_devices()[0], jax.tree_util.tree_leaves_with_path(unbox(params))
-    named = [(jax.tree_util.keystr(path, simple=True, separator="/"), x) for path, x in leaves]
-    spec = lambda x: str(getattr(x.sharding, "spec", x.sharding))  # noqa: E731 (pmap's has none)
-    rows = [(n, str(x.shape), spec(x), f"{bytes_on_device(x, device):,}") for n, x in named]
-    rows = [("parameter", "shape", "spec", "bytes/device"), *rows]
-    widths = [max(len(row[i]) for row in rows) for i in range(3)] + [0]
-    for row in rows:
-        print(*(text.ljust(width) for text, width in zip(row, widths, strict=True)))
-    matrices = {name: x for name, x in named if x.ndim == 2}
-    split = {n: x for n, x in matrices.items() if not x.sharding.is_fully_replicated} or matrices
-    if name := max(split, key=lambda n: split[n].size, default=None):
-        print(f"{name} {split[name].shape} over the devices:")
-        jax.debug.visualize_array_sharding(split[name])
-
-
 class Logger:
-    """On process 0: a line every --log-every steps and a report, also to --metrics-file."""
+    """Process 0's output: a line every --log-every steps and a report at the end, each also a
+    JSON line of --metrics-file (a resumed run keeps the records of the steps before it)."""
 
-    def __init__(self, config: Config, dataset, layout: str, report: dict, params, start: int):
-        self.config, self.dataset, self.report, self.start = config, dataset, report, start
-        self.losses, self.grad_norms, self.router, self.pending, self.earlier = [], [], [], [], []
-        self.step_seconds, self.data_seconds, self.eval_loss, self.tracing = [], [], None, False
-        self.file = self.open_metrics_file() if config.metrics_file and is_main_process() else None
-        device, self.tokens = jax.devices()[0], config.batch_size * config.seq_len
-        devices, processes, rows = jax.device_count(), jax.process_count(), config.batch_shards()
-        self.info = dict(platform=device.platform, device_kind=device.device_kind, layout=layout)
-        self.info.update(devices=devices, processes=processes, dtype=config.dtype)
+    def __init__(self, config: Config, dataset, layout: str, report: dict, start: int):
+        self.config, self.start, self.tokens = config, start, config.batch_size * config.seq_len
+        self.losses, self.grad_norms, self.router, self.pending, self.seconds = [], [], [], [], []
+        self.waits, self.earlier, self.eval_loss, self.file = [], [], None, None
+        device, devices, processes = jax.devices()[0], jax.device_count(), jax.process_count()
+        rows = config.batch_size // config.batch_shards()
+        self.summary = dict(
+            platform=device.platform, device_kind=device.device_kind, dtype=config.dtype
+        )
+        self.summary.update(layout=layout, devices=devices, processes=processes, **report)
+        self.summary["loss_floor"] = getattr(dataset, "loss_floor", None)
+        if config.metrics_file and is_main_process():
+            with contextlib.suppress(FileNotFoundError), open(config.metrics_file) as old:
+                for line in old if start else ():
+                    with contextlib.suppress(ValueError, AttributeError):  # cut short by a crash
+                        if json.loads(line).get("step", start + 1) <= start:
+                            self.earlier.append(json.loads(line))
+            with open(f"{config.metrics_file}.new", "w") as new:
+                new.writelines(map(json_line, self.earlier))
+            os.replace(f"{config.metrics_file}.new", config.metrics_file)
+            self.file = open(config.metrics_file, "a")
         log_print(
             f"{devices} {device.platform} devices in {processes} process(es) | {layout} | "
             f"{report['param_count'] / 1e6:.2f}M parameters, {computes(config)}\nbatch "
-            f"{config.batch_size} x {config.seq_len} tokens ({config.batch_size // rows} per "
+            f"{config.batch_size} x {config.seq_len} tokens ({rows} per "
             f"device) | {dataset.describe()}\ncompiled the train step in "
             f"{report['compile_seconds']:.1f}s"
         )
-        if config.show_sharding and is_main_process():
-            show_sharding(params)
         self.last_time = time.perf_counter()
 
-    def open_metrics_file(self):
-        """Keep the records up to the step resumed from: a resumed run's reads like one run's."""
-        path = self.config.metrics_file
-        with contextlib.suppress(FileNotFoundError), open(path) as old:
-            for line in old if self.start else ():
-                with contextlib.suppress(ValueError, AttributeError):  # cut short by a crash
-                    if json.loads(line).get("step", self.start + 1) <= self.start:
-                        self.earlier.append(json.loads(line))
-        with open(f"{path}.new", "w") as new:
-            new.writelines(map(json_line, self.earlier))
-        os.replace(f"{path}.new", path)
-        return open(path, "a")
+    def print(self, line: str, record: dict):
+        """A line on process 0's output (if any), and its record in --metrics-file."""
+        if line:
+            log_print(line)
+        if self.file:
+            self.file.write(json_line(record))
+            self.file.flush()
 
-    def fetch(self) -> list:
-        """Every step's loss so far, as numbers."""
+    def fetch(self) -> int:
+        """The numbers of the steps not yet fetched (waits for them); how many there were."""
         for metrics in self.pending:
             self.losses.append(host_value(metrics["loss_sum"]) / host_value(metrics["tokens"]))
             self.grad_norms.append(host_value(metrics["grad_norm"]))
             if "expert_tokens" in metrics:
                 self.router.append(routing(metrics, self.config.layers))
-        self.pending = []
-        return self.losses
+        count, self.pending = len(self.pending), []
+        return count
 
     def log(self, step: int, metrics, waited: float):
-        self.data_seconds.append(waited)  # the seconds the step's batch took to make
-        if self.config.profile and step in (self.start, self.start + 3):  # after one-off work
-            jax.block_until_ready(metrics)
-            folder, self.tracing = self.config.profile, not self.tracing
-            jax.profiler.start_trace(folder) if self.tracing else jax.profiler.stop_trace()
-            if not self.tracing:
-                log_print(f"profile of steps {step - 1}-{step + 1} written to {folder}")
+        """Keep a step's metrics and the seconds its batch took; print them when log_due()."""
         self.pending.append(metrics)
-        if (step + 1) % self.config.log_every and step + 1 != self.config.steps:
+        self.waits.append(waited)
+        if not log_due(self.config, step):
             return
-        count, loss = len(self.pending), self.fetch()[-1]  # waits for the step to finish
-        now = time.perf_counter()
+        count, now = self.fetch(), time.perf_counter()
         seconds, self.last_time = (now - self.last_time) / count, now
-        self.step_seconds += [seconds] * count
-        record = dict(step=step + 1, loss=loss, grad_norm=self.grad_norms[-1], step_seconds=seconds)
-        record.update(tokens_per_sec=self.tokens / seconds, **(self.router or [{}])[-1])
+        self.seconds += [seconds] * count
+        record = dict(step=step + 1, loss=self.losses[-1], grad_norm=self.grad_norms[-1])
+        record.update(step_seconds=seconds, tokens_per_sec=self.tokens / seconds)
+        record.update((self.router or [{}])[-1])
         routed = "aux {aux_loss:.4f} | expert tokens {expert_tokens_min:.0f}-"
         routed += "{expert_tokens_max:.0f}, {dropped_share:.1%} dropped | "
-        routed = routed.format(**record) if self.router else ""
         eta, steps = seconds * (self.config.steps - step - 1), self.config.steps
-        self.write(record)
-        log_print(
-            f"step {step + 1:>{len(str(steps))}}/{steps} | loss {loss:.4f} | grad norm "
-            f"{record['grad_norm']:.3f} | {routed}{self.tokens / seconds:,.0f} tokens/s | ETA "
-            f"{eta // 60:.0f}:{eta % 60:02.0f}"
+        self.print(
+            f"step {step + 1:>{len(str(steps))}}/{steps} | loss {record['loss']:.4f} | grad norm "
+            f"{record['grad_norm']:.3f} | {routed.format(**record) if self.router else ''}"
+            f"{self.tokens / seconds:,.0f} tokens/s | ETA {eta // 60:.0f}:{eta % 60:02.0f}",
+            record,
         )
 
-    def eval_due(self, step: int) -> bool:
-        return bool(self.config.eval_every) and (step + 1) % self.config.eval_every == 0
-
     def eval(self, step: int, eval_fn, state, batches):
-        """Log the mean loss of the held-out batches; its time is left out of the speed."""
+        """Print the mean loss of the held-out batches; its time is left out of the speed."""
         jax.block_until_ready(self.pending)
         began, sums = time.perf_counter(), [eval_fn(state, batch) for batch in batches]
-        total = {key: sum(host_value(m[key]) for m in sums) for key in ("loss_sum", "tokens")}
-        self.eval_loss = total["loss_sum"] / total["tokens"]
+        total = [sum(host_value(m[key]) for m in sums) for key in ("loss_sum", "tokens")]
+        self.eval_loss = total[0] / total[1]
         self.last_time += time.perf_counter() - began
-        log_print(f"eval at step {step + 1}: held-out loss {self.eval_loss:.4f}")
-        self.write({"step": step + 1, "eval_loss": self.eval_loss})
-
-    def write(self, record):
-        try:
-            if self.file:
-                self.file.write(json_line(record))
-                self.file.flush()
-        except OSError as error:
-            self.file, kept = None, "its records so far and the checkpoints are kept"
-            why = f"{self.config.metrics_file} ({error.strerror or error}); {kept}"
-            raise SystemExit(f"error: could not write --metrics-file {why}") from None
+        record = {"step": step + 1, "eval_loss": self.eval_loss}
+        self.print(f"eval at step {step + 1}: held-out loss {self.eval_loss:.4f}", record)
 
     def finish(self, state, compiled) -> Result:
         """Print and write the end-of-run report; return it, the final state and compiled step."""
-        if self.tracing:  # the run ended inside the traced steps
-            jax.profiler.stop_trace()
-        losses, steps = self.fetch(), len(self.losses)
-        # The median step: the first interval can include one-off work
-        seconds = float(np.median(self.step_seconds)) if steps else None
-        waited = float(np.median(self.data_seconds)) if self.data_seconds else None
-        speed = self.tokens / seconds if steps else None
-        keys = ("loss", "eval_loss")  # a resumed run's records of the steps before it
-        earlier = {k: [None] + [r[k] for r in self.earlier if k in r] for k in keys}
-        evals = earlier["eval_loss"] + ([] if self.eval_loss is None else [self.eval_loss])
-        summary = {
-            **self.info,
-            "steps": self.start + steps,
-            "resumed_from": self.start or None,
-            "final_loss": (earlier["loss"] + losses)[-1],
-            "eval_loss": evals[-1],
-            "loss_floor": getattr(self.dataset, "loss_floor", None),
-            "tokens_per_sec": speed,
-            "step_seconds": seconds,
-            "data_wait_seconds": waited,
-            **self.report,
-        }
-        if steps:  # not when resumed at or after --steps
-            floor = f" (floor {summary['loss_floor']:.4f})" if summary["loss_floor"] else ""
+        self.fetch()
+        earlier = lambda key: [None] + [r[key] for r in self.earlier if key in r]  # noqa: E731
+        median = lambda xs: float(np.median(xs)) if xs else None  # noqa: E731 (not one-off work)
+        s, seconds = self.summary, median(self.seconds)
+        s.update(steps=self.start + len(self.losses), resumed_from=self.start or None)
+        s.update(final_loss=(earlier("loss") + self.losses)[-1], step_seconds=seconds)
+        s["eval_loss"] = self.eval_loss if self.eval_loss is not None else earlier("eval_loss")[-1]
+        s.update(
+            tokens_per_sec=seconds and self.tokens / seconds, data_wait_seconds=median(self.waits)
+        )
+        if self.losses:  # not when resumed at or after --steps
+            floor = f" (floor {s['loss_floor']:.4f})" if s["loss_floor"] else ""
+            speed, waited = s["tokens_per_sec"], s["data_wait_seconds"] * 1e3
             log_print(
-                f"done: final loss {summary['final_loss']:.4f}{floor}, {speed:,.0f} tokens/s, "
-                f"{seconds * 1e3:.1f} ms/step, {waited * 1e3:.2f} ms/step waiting for data"
+                f"done: final loss {s['final_loss']:.4f}{floor}, {speed:,.0f} tokens/s, "
+                f"{seconds * 1e3:.1f} ms/step, {waited:.2f} ms/step waiting for data"
             )
-            log_print(report_lines(summary))
-        self.write({"summary": summary})
+        self.print(report_lines(s) if self.losses else "", {"summary": s})
         if self.file:
             self.file.close()
-        return Result(losses, self.grad_norms, state, summary, compiled, self.router)
+        return Result(self.losses, self.grad_norms, state, s, compiled, self.router)

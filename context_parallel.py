@@ -390,7 +390,7 @@ def main(config):
         f"{2 * mesh.shape['context']} pieces, {config.attention_split} attention, {work[0]} "
         "attention blocks per device, state replicated"
     )
-    log = common.Logger(config, dataset, layout, report, state.params, start)
+    log = common.Logger(config, dataset, layout, report, start)
     stop = common.StopSignals()  # Ctrl-C or SIGTERM: the run finishes its step, saves, stops
     try:
         # Each made while the devices run the step before (JAX dispatches asynchronously)
@@ -399,16 +399,20 @@ def main(config):
             # The program compiled above, which the report describes.
             state, metrics = compiled(state, batch)
             log.log(step, metrics, waited)
-            common.stop_if_not_finite(config, step, metrics)  # every --log-every steps
-            if log.eval_due(step):
+            if common.log_due(config, step):  # checked as often as printed: a check waits
+                loss = common.host_value(metrics["loss_sum"])  # summed over every device
+                common.stop_if_not_finite(f"the loss at step {step + 1}", loss)
+            if common.eval_due(config, step):
                 log.eval(step, eval_fn, state, eval_data)
             stopping = stop.requested(step)  # the same step on every process
-            checkpoints.save(step, state, stopping)  # when due; never a non-finite state
+            if checkpoints.due(step, stopping):  # a policy's step, or the run stops
+                common.stop_if_not_finite(f"the state after step {step + 1}", state)
+                checkpoints.save(step, state, stopping)
             if stopping:
                 break
     finally:
         stop.close()  # the signals back to their handlers
-        checkpoints.close()  # lets the saves still being written finish, whatever happened
+        checkpoints.close()  # waits for the saves still being written, whatever happened
     return log.finish(state, compiled)  # the end-of-run report, and what the run made
 
 

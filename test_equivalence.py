@@ -854,8 +854,8 @@ def test_bfloat16_matches(name):
 
 
 # -m full: the flags the compute type meets in one function (dev/flags.py): the attention and the
-# heads it runs at, the experts' kernels, the log's and the layout's printing
-MEET_BF16 = dict(attention="xla", heads=8, kv_heads=2, experts=4, top_k=1, show_sharding=True)
+# heads it runs at, the experts' kernels, the log's printing
+MEET_BF16 = dict(attention="xla", heads=8, kv_heads=2, experts=4, top_k=1)
 
 
 @pytest.mark.full

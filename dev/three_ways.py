@@ -242,7 +242,7 @@ def main(config):
     state = logical_pjit.init_state(config, mesh)
     report = common.cost_report(config, state, compiled, compile_seconds)
     layout = f"mesh data={mesh.shape['data']},model={mesh.shape['model']}, FSDP+TP by hand"
-    log = common.Logger(config, dataset, layout, report, state.params, 0)
+    log = common.Logger(config, dataset, layout, report, 0)
     for step, rows, waited in common.train_batches(dataset, config, 0):
         batch = jax.make_array_from_process_local_data(NamedSharding(mesh, batch_spec), rows)
         state, metrics = compiled(state, batch)

@@ -655,10 +655,21 @@ def test_emulated_devices_may_be_late_to_a_collective(tmp_path):
         assert len([f for f in flags if "terminate_timeout" in f]) == 1
 
 
-def test_profile_writes_a_trace(tmp_path):
-    done = run_script("shardmap_dp", tmp_path, *TINY, "--steps", "6", "--profile", "runs/profile")
+def test_the_docs_profiling_recipe_writes_a_trace(tmp_path):
+    """docs/operations.md's two lines, put in a copy's loop as it says, trace 3 steps."""
+    recipe = (ROOT / "docs" / "operations.md").read_text().split("```python\n# profile\n")[1]
+    recipe = recipe.split("```")[0]
+    copy_alone("shardmap_dp", tmp_path)
+    text, at = (
+        (tmp_path / "shardmap_dp.py").read_text(),
+        " " * 12 + "log.log(step, metrics, waited)\n",
+    )
+    assert text.count(at) == 1
+    lines = "".join(" " * 12 + line + "\n" for line in recipe.splitlines())
+    (tmp_path / "shardmap_dp.py").write_text(text.replace(at, lines + at))
+    command = [sys.executable, "shardmap_dp.py", *TINY, "--steps", "6"]
+    done = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "profile of steps 2-4 written to runs/profile" in done.stdout
     traces = list((tmp_path / "runs" / "profile").rglob("*.xplane.pb"))
     assert len(traces) == 1 and traces[0].stat().st_size > 0
 
@@ -714,18 +725,16 @@ def test_the_logged_speed_is_the_wall_clocks(every, monkeypatch, tmp_path):
     """Each logged record's time a step, times the steps since the record before, is the wall
     time between the two (as the test's own clock sees it, within 1% and 5 ms: the printing of
     a line); its tokens a second the batch's tokens over that time; the summary's, the median
-    step's. With --log-every above 1 a record stands for several steps (that run also profiles
-    and prints its layout). None of it changes a loss: the warm-up's are one device's."""
-    written, write = [], common.Logger.write
+    step's. With --log-every above 1 a record stands for several steps. None of it changes a
+    loss: the warm-up's are one device's."""
+    written, write = [], common.Logger.print
 
-    def clocked(self, record):
+    def clocked(self, line, record):
         written.append((time.perf_counter(), record))
-        write(self, record)
+        write(self, line, record)
 
-    monkeypatch.setattr(common.Logger, "write", clocked)
+    monkeypatch.setattr(common.Logger, "print", clocked)
     flags = dict(steps=3 * every, log_every=every, eval_every=0, metrics_file=tmp_path / "m.jsonl")
-    if every > 1:
-        flags.update(profile=str(tmp_path / "profile"), show_sharding=True)
     result = run_uncached("shardmap_dp", **flags)
     record_flags(SCRIPTS["shardmap_dp"], result.config)
     warm = min(SMALL["warmup_steps"], len(result.losses))  # rates that do not hang on --steps

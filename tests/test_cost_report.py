@@ -1,6 +1,6 @@
 """The end-of-run report measures what each strategy costs, and the figures are the ones
 theory promises: bytes of state per device, collectives per step and their bytes, compile
-time; --show-sharding and the benchmark that tabulates it all."""
+time; tools/show_sharding.py and the benchmark that tabulates it all."""
 
 import functools
 import json
@@ -32,7 +32,6 @@ from tests.harness import (
     copy_alone,
     matrix,
     read_closely,
-    record_flags,
     run,
     run_script,
     run_uncached,
@@ -348,10 +347,11 @@ def test_scanned_compile_time_does_not_grow_with_layers(tmp_path):
     assert seconds[12] <= 2 * seconds[2]
 
 
-def test_show_sharding_prints_every_parameter(tmp_path):
-    done = run_script("fsdp", tmp_path, *TINY, "--show-sharding")
+def test_show_sharding_prints_every_parameter():
+    """tools/show_sharding.py: each parameter of fsdp.py's state, laid out as the script lays it."""
+    tool = [sys.executable, str(ROOT / "tools" / "show_sharding.py"), "fsdp", *TINY]
+    done = subprocess.run(tool, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    record_flags(fsdp, None, argv=[*TINY, "--show-sharding"])  # the table against the state
     table = dict(
         (line.split()[0], line.split()[1:])
         for line in done.stdout.splitlines()

@@ -484,7 +484,7 @@ def test_a_token_past_the_vocabulary_stops_the_run_saying_so(tmp_path):
     done = run_script("shardmap_dp", tmp_path, *TINY, "--dataset", "my_data.py")
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1] == (
-        "stopped: the loss is nan at step 1; not saved (a token id past --vocab-size "
+        "stopped: the loss at step 1 is not finite; not saved (a token id past --vocab-size "
         "(tools/check.py --dataset) or too high an --lr?)"
     )
 
