@@ -576,9 +576,9 @@ def test_non_finite_loss_stops_and_is_never_saved(tmp_path):
     )
     assert done.returncode == 1
     message = done.stderr.strip().splitlines()[-1]
-    found = re.search(r"the loss is (nan|inf) at step (\d+)", message)
-    bad = int(found[2])
-    assert re.search(rf"^step\s+{bad}/50 \| loss {found[1]} ", done.stdout, re.M)  # its line, too
+    found = re.search(r"^stopped: the loss at step (\d+) is not finite; not saved", message)
+    bad = int(found[1])
+    assert re.search(rf"^step\s+{bad}/50 \| loss (nan|inf) ", done.stdout, re.M)  # its line, too
     saved = [int(n) for n in os.listdir(tmp_path / "ckpt") if n.isdigit()]
     assert saved and max(saved) < bad
 
