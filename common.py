@@ -1433,8 +1433,6 @@ def check_training(c: TrainingConfig):
 
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-# %name = shape opcode(operands), attributes: a line of compiled HLO
-_INSTRUCTION = re.compile(r"\s*(?:ROOT )?%(\S+) = (.*?) ([\w\-]+)\(([^)]*)\)(.*)")
 _CALLS = re.compile(r"\b(?:body|condition|calls|to_apply|branch_computations)=\{?%([\w.\-]+)")
 
 
@@ -1445,45 +1443,86 @@ def _shape_bytes(text: str) -> int:
     return sum(math.prod(map(int, filter(None, d.split(",")))) * bits(t) // 8 for t, d in found)
 
 
-def collectives(hlo_text: str) -> dict:
-    """A device's collectives in one step of a compiled program, by kind: how many and their bytes
-    (the larger of operands and result), a loop's once a trip where XLA states its count. The
-    close reading (TPU programs' loops, wire bytes, FLOPs) is tools/hlo.py's."""
-    shapes, callers, found, entry, skip = {}, {}, [], None, set()
+def _closing(text: str, start: int) -> int:
+    """The index just past the bracket that closes the one at text[start]."""
+    depths = itertools.accumulate((c == "(") - (c == ")") for c in text[start:])
+    return start + 1 + next(i for i, depth in enumerate(depths) if depth == 0)
+
+
+def hlo_program(hlo_text: str):
+    """HLO text as ({computation: [(name, opcode, operands, attributes, line)]}, {name: shape},
+    the entry computation)."""
+    computations, shapes, entry, current = {}, {}, None, None
     for line in hlo_text.splitlines():
-        if line.endswith("{") and "%" in line and not line.startswith(" "):
-            computation = line.split("%")[1].split(" ")[0]
-            entry = computation if line.startswith("ENTRY") else entry
-        elif match := _INSTRUCTION.match(line):
-            name, shapes[name], opcode, operands, attributes = match.groups()
-            trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attributes)
+        if not line.startswith((" ", "}")) and line.endswith("{") and "%" in line:
+            current = line.split("%")[1].split(" ")[0]
+            computations[current], entry = [], current if line.startswith("ENTRY") else entry
+        elif current and (instruction := re.match(r"\s*(?:ROOT )?%(\S+) = (.*)$", line)):
+            name, rest = instruction.groups()
+            end = _closing(rest, 0) if rest.startswith("(") else rest.index(" ")
+            shapes[name], rest = rest[:end], rest[end:].lstrip()
+            opcode, operands_end = rest[: rest.index("(")], _closing(rest, rest.index("("))
+            operands = re.findall(r"%([\w.\-]+)", rest[len(opcode) : operands_end])
+            computations[current].append((name, opcode, operands, rest[operands_end:], line))
+    return computations, shapes, entry
+
+
+def trips(attributes: str, computations: dict) -> int:
+    """A while loop's trip count: XLA's, or its condition's `i < N` (TPU programs state none)."""
+    if known := re.search(r'"known_trip_count":\{"n":"(\d+)"', attributes):
+        return int(known[1])
+    condition = computations[re.search(r"\bcondition=%([\w.\-]+)", attributes)[1]]
+    _, opcode, operands, rest, _ = condition[-1]  # its ROOT
+    bound = {name: line for name, op, *_, line in condition if op == "constant"}
+    below = opcode == "compare" and "direction=LT" in rest and bound.get(operands[-1], "")
+    return int(re.search(r"constant\((\d+)\)", below)[1]) if below else 1
+
+
+def collective_ops(hlo_text: str) -> list:
+    """Every collective of one step of a compiled program: op, runs (a loop's, once a trip),
+    bytes per device (the larger of its operands and its result) and its HLO line."""
+    computations, shapes, entry = hlo_program(hlo_text)
+    callers = {}
+    for caller, instructions in computations.items():
+        for _, opcode, _, attributes, _ in instructions:
+            n = trips(attributes, computations) if opcode == "while" else 1  # body, condition
             for callee in _CALLS.findall(attributes):
-                callers.setdefault(callee, []).append((computation, int(trips[1]) if trips else 1))
-            if "AsyncCollectiveDone" in line or computation.startswith("async_collective_fusion"):
-                skip.add(computation)  # TPU's: the op again where it ends, not counted
-            if computation.startswith("all-reduce-scatter"):  # TPU's reduce-scatter
-                opcode = opcode.replace("all-reduce", "reduce-scatter")
-            found.append((computation, opcode, name, re.findall(r"%([\w.\-]+)", operands)))
+                callers.setdefault(callee, []).append((caller, n))
+    # TPU's async collectives repeat the op where they end and in what overlaps them: not counted
+    repeats = {c for c, ops in computations.items() if "AsyncCollectiveDone" in str(ops)}
 
     @functools.cache
     def runs(computation):
-        if computation == entry or computation in skip:
+        if computation == entry or computation in repeats:
             return int(computation == entry)
-        return sum(runs(caller) * trips for caller, trips in callers.get(computation, ()))
+        return sum(runs(caller) * n for caller, n in callers.get(computation, ()))
 
+    found = []
+    for computation, instructions in computations.items():
+        for name, opcode, operands, _, line in instructions:
+            op = opcode.removesuffix("-start")  # async pairs: count the start, not the done
+            if computation.startswith("all-reduce-scatter"):  # TPU's reduce-scatter
+                op = op.replace("all-reduce", "reduce-scatter")
+            if ragged := op == "ragged-all-to-all":  # the smaller of its rows and its room: a
+                op, operands = "all-to-all", operands[:1]  # device's choices, routed evenly
+            fused = computation.startswith("async_collective_fusion")  # its start counted
+            if op in COLLECTIVES and runs(computation) and not fused:
+                operand_bytes = sum(_shape_bytes(shapes.get(o, "")) for o in operands)
+                # An async start's result holds its operands, the outputs and its context (u32[]s)
+                start, result = opcode.endswith("-start"), _shape_bytes(shapes[name])
+                result -= start * (operand_bytes + 4 * shapes[name].count("u32[]"))
+                size = (min if ragged else max)(operand_bytes, result)
+                found.append(dict(op=op, runs=runs(computation), bytes=size, line=line))
+    return found
+
+
+def collectives(hlo_text: str) -> dict:
+    """A device's collectives in one step, by kind: how many and their bytes (collective_ops;
+    tools/hlo.py adds what a ring sends and the FLOPs)."""
     counted = {op: {"count": 0, "bytes": 0} for op in COLLECTIVES}
-    for computation, opcode, name, operands in found:
-        op = opcode.removesuffix("-start")
-        if op.removeprefix("ragged-") in COLLECTIVES and runs(computation):
-            ragged, op = op.startswith("ragged"), op.removeprefix("ragged-")  # TPU's dropless:
-            operands = operands[:1] if ragged else operands  # a device's rows, routed evenly
-            operand_bytes = sum(_shape_bytes(shapes.get(o, "")) for o in operands)
-            # An async start's result holds its operands, the outputs and its context (u32[]s)
-            start, result = opcode.endswith("-start"), _shape_bytes(shapes[name])
-            result -= start * (operand_bytes + 4 * shapes[name].count("u32[]"))
-            size = (min if ragged else max)(operand_bytes, result)
-            counted[op]["count"] += runs(computation)
-            counted[op]["bytes"] += runs(computation) * size
+    for c in collective_ops(hlo_text):
+        counted[c["op"]]["count"] += c["runs"]
+        counted[c["op"]]["bytes"] += c["runs"] * c["bytes"]
     return counted
 
 

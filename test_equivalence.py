@@ -1,4 +1,5 @@
-"""Every strategy computes what one device computes, and really shards what it claims.
+"""Every strategy computes what one device computes, and really shards what it claims
+(tests/sharding.py's check_real, on every run compared).
 
 On 8 emulated CPU devices (conftest.py), float32 and dropout 0, each script and each logical
 rules preset trains a small model for 20 steps and is compared with a single-device
@@ -17,30 +18,23 @@ import json
 import math
 import os
 import re
-import types
 import typing
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax import lax
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import common
 from tools import hlo
-import context_parallel
 import expert_parallel
 import fsdp
 import logical_pjit
-import explicit_sharding
 import pipeline
 import pjit_tp
 import pmap_dp
-import shardmap_dp
 from tests.harness import (
     ALL,
     DATA_GROUPS,
@@ -50,7 +44,6 @@ from tests.harness import (
     LLAMA_SPECS,
     MODEL_GROUPS,
     PROCESSES,
-    ROOT,
     RTOL,
     SMALL,
     STRATEGIES,
@@ -68,6 +61,8 @@ from tests.harness import (
     state_bytes,
     wait_ok,
 )
+from tests.sharding import check_layout, check_real, covers, device_groups, mesh_of, pairs_of
+from tests.sharding import ragged_all_to_all
 
 
 class Reference(typing.NamedTuple):
@@ -371,34 +366,13 @@ def test_the_tpus_grouped_matmul_matches(name, monkeypatch):
     compare(name, run_uncached(name, **MOE), ref, MOE)
 
 
-def ragged_all_to_all(
-    operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name
-):
-    """jax.lax.ragged_all_to_all by its definition, from an all-gather: XLA:CPU cannot run it.
-    Each device i writes operand_i[input_offsets_i[j]:][:send_sizes_i[j]] into device j's
-    output at output_offsets_i[j]; the rest of the output stays as it was. The op types its
-    result as `output` is: it must vary as the operand does."""
-    varying = [jax.typeof(x).manual_axis_type.varying for x in (operand, output)]
-    assert varying[0] <= varying[1], varying
-    me, n = lax.axis_index(axis_name), lax.axis_size(axis_name)
-    every = (operand, input_offsets, send_sizes, output_offsets)
-    operands, starts, sizes, ats = lax.all_gather(every, axis_name)
-    place = jnp.arange(output.shape[0])
-    for i in range(n):
-        offset = place - ats[i, me]
-        came = (offset >= 0) & (offset < sizes[i, me])
-        row = operands[i][jnp.clip(starts[i, me] + offset, 0, operand.shape[0] - 1)]
-        output = jnp.where(came.reshape(-1, *[1] * (output.ndim - 1)), row, output)
-    return output
-
-
 @pytest.mark.parametrize(
     "name", matrix(["expert_parallel", "expert_parallel_8"], ["expert_parallel"])
 )
 def test_the_tpus_ragged_all_to_all_matches(name, monkeypatch):
     """expert_parallel.py's dropless exchange on a TPU, each choice sent to its expert's device
-    alone (a ragged all-to-all each way, by its definition above), with the TPU's grouped
-    matmul and splash attention in shard_map's body, against one device."""
+    alone (a ragged all-to-all each way, by its definition: tests/sharding.py), with the TPU's
+    grouped matmul and splash attention in shard_map's body, against one device."""
     ref = reference(**{**ON_TPU, "attention": "xla", **model_flags(name)})
     monkeypatch.setattr(expert_parallel, "ragged_all_to_all", lambda: ragged_all_to_all)
     monkeypatch.setattr(common, "grouped_matmul", lambda: common.megablox_matmul)
@@ -564,41 +538,6 @@ def test_the_flax_docs_gpt_matches(name):
     """tests/minigpt.py through every script and preset, as its own parameters' annotations lay
     it out where the script lays out by name, against one device training it."""
     compare(name, run_uncached(name, **MINIGPT), reference(**MINIGPT, **model_flags(name)), MINIGPT)
-
-
-# The same model with no axis names: the scripts that do not lay parameters out by name train it;
-# the ones that do (tensor parallelism's table, logical rules, explicit presets) say so in a line.
-UNNAMED = ["shardmap_dp", "fsdp", "pipeline_1f1b", "context_parallel", "pmap_dp", "hsdp"]
-
-
-def unnamed_model(folder):
-    """tests/docs_model.py with every nnx.with_partitioning taken out: its initializers bare."""
-    text = (ROOT / "tests" / "docs_model.py").read_text()
-    bare = re.sub(
-        r"nnx\.with_partitioning\((nnx\.initializers\.\w+\([^)]*\)), (?:\w+|\([^)]*\))\)",
-        r"\1",
-        text,
-    )
-    assert "with_partitioning" not in bare and bare.count("nnx.initializers.") == 3
-    (folder / "unnamed.py").write_text(bare)
-    return {"model": str(folder / "unnamed.py"), "kv_heads": 2}
-
-
-@pytest.mark.parametrize("name", matrix(UNNAMED, ["fsdp"]))
-def test_a_model_without_axis_names_trains_where_no_layout_reads_them(name, tmp_path):
-    flags = unnamed_model(tmp_path)
-    compare(name, run_uncached(name, **flags), reference(**flags, **model_flags(name)), flags)
-
-
-@pytest.mark.parametrize("name", ["pjit_tp", "logical_fsdp_tp", "explicit_fsdp_tp"])
-def test_a_layout_by_name_says_a_model_names_no_axes(name, tmp_path, capsys):
-    module, strategy_flags = STRATEGIES[name]
-    config = module.Config(**{**SMALL, **strategy_flags, **unnamed_model(tmp_path)})
-    with pytest.raises(SystemExit) as exit_info:
-        module.main(config)
-    err = capsys.readouterr().err.strip().splitlines()
-    assert exit_info.value.code == 2 and len(err) == 1, err
-    assert "nnx.with_partitioning" in err[0], err
 
 
 def test_dropless_trains_as_a_capacity_with_room_for_every_token():
@@ -893,311 +832,6 @@ def bfloat16_matches(name, result, flags):
     off = relative(result.grad_norms, float32.grad_norms[: BF16["steps"]])
     print(f"{name} --dtype bfloat16: gradient norm {off:.1e} from float32's")
     assert off >= BF16_FROM_FLOAT32
-
-
-# ----------------------------------------------------------------------------------------------
-# The strategy is real: shardings of the final state, collectives in the compiled step
-# ----------------------------------------------------------------------------------------------
-
-# What each script splits the batch over (its data-parallel axes): a parameter not split over
-# one of them has a copy on each of its devices, whose gradients must be summed across them.
-BATCH_AXES = {
-    pmap_dp: ("devices",),
-    shardmap_dp: ("data",),
-    fsdp: ("replica", "data"),
-    pjit_tp: ("data",),
-    pipeline: ("data",),
-    context_parallel: ("data", "context"),
-    expert_parallel: ("data", "expert"),
-}
-# Collectives written in shard_map
-RULED = (logical_pjit, explicit_sharding)  # the scripts whose layout is rules on logical names
-BY_HAND = (pmap_dp, shardmap_dp, fsdp, pipeline, context_parallel, expert_parallel)
-
-
-def check_real(name, flags, result):
-    """The run was the strategy it claims, whatever the model and flags: every parameter and its
-    Adam moments laid out on every device as the script states it (check_layout), and the
-    compiled step's collectives what that layout needs (check_collectives). compare() calls it
-    on every run it compares, so that every strategy, preset and variant is checked."""
-    module, strategy_flags = STRATEGIES[name]
-    config = module.Config(**{**SMALL, **strategy_flags, **flags})
-    specs, mesh = check_layout(module, config, result.state)
-    check_collectives(module, config, result, specs, mesh)
-
-
-def stated_specs(module, config, state) -> dict:
-    """{parameter path: PartitionSpec}, as the script states each parameter's layout: its table
-    (pjit_tp.py's PARAM_SPECS, and the model's own mesh axes), its rules (logical_pjit.py's RULES
-    on the logical names; a mesh axis's name, itself), the
-    axis its boxes name (fsdp.py), its stages (pipeline.py's state_specs), the experts' axis
-    (expert_parallel.py's param_specs); P() where the script replicates."""
-    leaves = jax.tree_util.tree_leaves_with_path(common.unbox(state.params))
-    paths = [
-        (jax.tree_util.keystr(path, simple=True, separator="/"), path, leaf)
-        for path, leaf in leaves
-    ]
-    if module is pjit_tp:
-        specs = pjit_tp.param_specs(config)
-        return {name: pjit_tp.state_spec(path, leaf, specs) for name, path, leaf in paths}
-    if module in RULED:
-        rules = (*module.RULES[config.rules], *((axis, axis) for axis in config.mesh_axes()))
-        return {
-            path: nn.logical_to_mesh_axes(box.names, rules)
-            for path, box in common.logical_names(config)
-        }
-    if module is fsdp:
-        boxes = jax.tree_util.tree_leaves_with_path(state.params, is_leaf=fsdp.is_sharded)
-        return {
-            jax.tree_util.keystr(path, simple=True, separator="/"): fsdp.mesh_specs(box)
-            for path, box in boxes
-        }
-    if module is pipeline:
-        stages = jax.tree.leaves(state.params)[0].sharding.mesh.shape["stage"]
-        specs = jax.tree.leaves(
-            pipeline.state_specs(state, stages).params, is_leaf=lambda x: isinstance(x, P)
-        )
-        return {name: spec for (name, _, _), spec in zip(paths, specs, strict=True)}
-    if module is expert_parallel:
-        return dict(expert_parallel.param_specs(config))
-    return {name: P() for name, _, _ in paths}  # data parallelism: a whole copy on every device
-
-
-def mesh_of(module, state):
-    """The run's mesh; pmap_dp.py's devices as a one-axis mesh named 'devices'."""
-    if module is pmap_dp:
-        return jax.sharding.Mesh(np.array(jax.devices()), ("devices",))
-    return jax.tree.leaves(state.params)[0].sharding.mesh
-
-
-def check_layout(module, config, state):
-    """Every parameter's piece on every device is the shape its stated PartitionSpec gives;
-    each of its Adam moments (an optimizer-state leaf whose path ends with the parameter's) the
-    same; everything else in the state whole. So the state's bytes per device are the layout's
-    prediction, leaf by leaf. Returns the stated specs and the mesh."""
-    mesh = mesh_of(module, state)
-    specs = stated_specs(module, config, state)
-    params = dict(
-        (jax.tree_util.keystr(path, simple=True, separator="/"), leaf)
-        for path, leaf in jax.tree_util.tree_leaves_with_path(common.unbox(state.params))
-    )
-    assert set(params) == set(specs), set(params) ^ set(specs)
-
-    def piece(path, shape):  # the shape each device should hold of a leaf of this shape
-        if module is pmap_dp:  # one copy per device, stacked: a device holds one
-            return shape[1:]
-        return NamedSharding(mesh, specs[path]).shard_shape(shape) if path else shape
-
-    def check(path, where, leaf):
-        expected = piece(path, leaf.shape)
-        for shard in leaf.addressable_shards:
-            held = shard.data.shape[1:] if module is pmap_dp else shard.data.shape
-            assert held == expected, (
-                f"{where} {leaf.shape}: {held} on {shard.device}, stated {expected}"
-            )
-
-    predicted = 0
-    for path, leaf in params.items():
-        check(path, f"parameter {path}", leaf)
-        predicted += math.prod(piece(path, leaf.shape)) * leaf.dtype.itemsize
-    for path, leaf in jax.tree_util.tree_leaves_with_path(common.unbox(state.opt_state)):
-        where = jax.tree_util.keystr(path, simple=True, separator="/")
-        of = max(
-            (p for p in params if where.endswith("/" + p) and params[p].shape == leaf.shape),
-            key=len,
-            default=None,
-        )
-        check(of, f"optimizer state {where}", leaf)
-        predicted += math.prod(piece(of, leaf.shape)) * leaf.dtype.itemsize
-    check(None, "step", state.step)
-    _, per_device = state_bytes(state)
-    assert per_device == predicted, (
-        f"{per_device:,} state bytes on device 0, the layout predicts {predicted:,}"
-    )
-    return specs, mesh
-
-
-def device_groups(mesh, axes):
-    """The groups of devices (their places in the mesh, as XLA numbers them) that differ only
-    along `axes`: one group per combination of the other axes."""
-    ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
-    varying = [mesh.axis_names.index(axis) for axis in axes]
-    kept = [i for i in range(ids.ndim) if i not in varying]
-    ids = ids.transpose(kept + varying).reshape(-1, math.prod(ids.shape[i] for i in varying))
-    return {frozenset(row.tolist()) for row in ids}
-
-
-def covers(groups, needed):
-    """Whether a collective over `groups` reaches across each of the `needed` groups."""
-    return groups is not None and all(any(g <= group for group in groups) for g in needed)
-
-
-def check_collectives(module, config, result, specs, mesh):
-    """The compiled step's collectives are what the stated layout needs.
-
-    Every gradient is summed across the devices holding copies of the same piece of its
-    parameter: those along the batch's axes that the parameter is not split over (an all-reduce
-    of the piece), and, where it is split along one of them (FSDP), across those too (a
-    reduce-scatter of the whole). In the scripts that write their collectives by hand, the
-    bytes these move per step are at least the layout's prediction; under jax.jit, where the
-    compiler may reduce another way (an all-to-all of activations instead, say), such a
-    collective must be there. Then each strategy's own: FSDP's all-gathers of its shards, the
-    pipeline's two collective-permutes per tick between neighbouring stages, ring attention's
-    hops, expert parallelism's all-to-alls, Megatron's activation all-reduces over 'model'."""
-    found = []
-    for c in hlo.hlo_collectives(result.compiled.as_text()):
-        groups = replica_groups(c["line"])
-        found.append(
-            (
-                c["op"],
-                {frozenset(g) for g in groups} if groups else None,
-                c["runs"],
-                c["bytes"],
-                c["line"],
-            )
-        )
-    ops = {op for op, *_ in found}
-    batch = BATCH_AXES.get(module) or logical_batch_axes(module, config)
-    batch = [axis for axis in batch if axis in mesh.axis_names and mesh.shape[axis] > 1]
-    params = {
-        jax.tree_util.keystr(path, simple=True, separator="/"): leaf
-        for path, leaf in jax.tree_util.tree_leaves_with_path(common.unbox(result.state.params))
-    }
-    needed = {}  # (device groups, op) -> bytes per step
-    for path, leaf in params.items():
-        shape = (
-            leaf.shape[1:]
-            if module is pmap_dp
-            else NamedSharding(mesh, specs[path]).shard_shape(leaf.shape)
-        )
-        held = math.prod(shape) * leaf.dtype.itemsize
-        split = set(jax.tree.leaves(tuple(specs[path]))) if module is not pmap_dp else set()
-        if copies := [axis for axis in batch if axis not in split]:
-            key = frozenset(device_groups(mesh, copies))
-            needed[key] = needed.get(key, 0) + held
-        # Split along a batch axis: FSDP gathers it for use, so its gradient is reduce-scattered
-        # whole; expert parallelism brings the tokens to it instead (the all-to-alls, below).
-        if (pieces := [axis for axis in batch if axis in split]) and module is not expert_parallel:
-            key = frozenset(device_groups(mesh, pieces))
-            needed[key] = needed.get(key, 0) + held * math.prod(mesh.shape[axis] for axis in pieces)
-    reductions = (
-        ("all-reduce", "reduce-scatter")
-        if module in BY_HAND
-        else ("all-reduce", "reduce-scatter", "all-to-all")
-    )
-    for groups, size in needed.items():
-        moved = sum(
-            runs * nbytes
-            for op, g, runs, nbytes, _ in found
-            if op in reductions and covers(g, groups)
-        )
-        what = f"gradient reduction across {sorted(map(sorted, groups))}"
-        if module in BY_HAND:
-            assert moved >= size, f"{what}: {moved:,} bytes per step, the layout needs {size:,}"
-        else:
-            assert moved > 0, f"{what}: none in the compiled step"
-    layers, micro = config.layers, config.microbatches
-
-    def count(op, groups=None):
-        return sum(runs for o, g, runs, *_ in found if o == op and (groups is None or g == groups))
-
-    if module in (pmap_dp, shardmap_dp):
-        assert ops <= {"all-reduce"}, ops
-    if module is fsdp:  # every shard gathered whole; a block's at least once per micro-batch
-        data = device_groups(mesh, ["data"])
-        split = {p for p in params if "data" in jax.tree.leaves(tuple(specs[p]))}
-        shards = {p: x.nbytes for p, x in params.items() if p in split}
-        blocks = sum(nbytes for path, nbytes in shards.items() if path.startswith("block"))
-        gathered = sum(
-            runs * nbytes for op, g, runs, nbytes, _ in found if op == "all-gather" and g == data
-        )
-        # (XLA may keep a loop-invariant gather outside the blocks across the micro-batches)
-        assert gathered >= sum(shards.values()) + (micro - 1) * blocks
-        assert ops <= {"all-reduce", "all-gather", "reduce-scatter"}
-    if module is pipeline:  # two per tick: activations to the next stage, their gradients back
-        stages = mesh.shape["stage"]
-        table = pipeline.make_schedule(config.schedule, stages, micro, config.virtual())
-        permutes = [
-            (pairs_of(line), runs) for op, _, runs, _, line in found if op == "collective-permute"
-        ]
-        assert sum(runs for _, runs in permutes) == 2 * len(table)
-        neighbours = {(s, s + 1) for s in range(stages - 1)} | (
-            {(stages - 1, 0)} if config.virtual() > 1 else set()
-        )
-        # Stage is the inner axis: stage s of data row r is device r * stages + s
-        row = mesh.shape["stage"]
-        ring = {
-            (r * row + a, r * row + b) for r in range(mesh.shape["data"]) for a, b in neighbours
-        }
-        assert all(pairs in (ring, {(b, a) for a, b in ring}) for pairs, _ in permutes)
-    if module is context_parallel:
-        context, split = frozenset(device_groups(mesh, ["context"])), config.attention_split
-        rows = config.batch_size // mesh.shape["data"] // micro
-        # One key's or value's block of a device, and the whole sequence's: float32 (ring and
-        # all-gather compute in it), or the compute dtype (Ulysses sends the activations as are)
-        block = rows * config.seq_len // mesh.shape["context"] * config.d_model
-        kv_block = block // config.heads * (config.kv_heads or config.heads)  # grouped-query: fewer
-        sizes = [nbytes for op, g, _, nbytes, _ in found if g == context and op != "all-reduce"]
-        if split == "ring":  # per layer N - 1 hops of a key and a value block, and back
-            hops = layers * 2 * 2 * (mesh.shape["context"] - 1) * micro
-            assert count("collective-permute") == hops, (count("collective-permute"), hops)
-            moved = {"collective-permute"}
-        elif split == "all-gather":  # per layer the keys and values gathered, their grads back
-            gathered, n = kv_block * mesh.shape["context"] * 4, 2 * layers * micro
-            if not config.experts:  # (whose routing gathers over 'context' too)
-                assert count("all-gather", context) == count("reduce-scatter", context) == n
-                assert set(sizes) == {gathered}, (sizes, gathered)
-            moved = {"all-gather", "reduce-scatter"}
-        else:  # Ulysses: per layer q, k, v to a head split and the output back, and backward
-            assert count("all-to-all", context) == 8 * layers * micro, count("all-to-all", context)
-            if not config.experts:  # in the compute dtype; XLA:CPU sends bfloat16 as float32
-                itemsize = jnp.dtype(config.dtype).itemsize
-                assert set(sizes) <= {b * n for b in (block, kv_block) for n in (itemsize, 4)}
-            moved = {"all-to-all"}
-        allowed = (
-            {"all-reduce"} | moved | ({"all-gather", "reduce-scatter"} if config.experts else set())
-        )
-        assert ops <= allowed, ops
-    if module is expert_parallel:
-        expert = frozenset(device_groups(mesh, ["expert"]))
-        if config.capacity_factor:  # per block, the tokens' slots out and back, forward and back
-            assert count("all-to-all", expert) == 4 * layers * micro
-            assert ops <= {"all-reduce", "all-to-all"}, ops
-        elif expert_parallel.ragged_all_to_all() is None:  # dropless, per block: the group's
-            # tokens, choices and gates gathered, their outputs reduce-scattered back; backward,
-            # the reverse of each (none for the choices)
-            assert count("all-gather", expert) == 4 * layers * micro
-            assert count("reduce-scatter", expert) == 3 * layers * micro
-            assert ops <= {"all-reduce", "all-gather", "reduce-scatter"}, ops
-    tensor_parallel = module is pjit_tp or (
-        module in RULED and dict(module.RULES[config.rules]).get("mlp")
-    )
-    # Megatron: per block, 2 forward and 2 backward at least; attention's alone where the MLP is
-    # a TPU's grouped matmul, each device its rows with the experts' kernels whole (megablox's)
-    if tensor_parallel and mesh.shape["model"] > 1:
-        kernel = config.experts and not config.capacity_factor
-        kernel = kernel and common.grouped_matmul() is not jax.lax.ragged_dot_general
-        per_block = 2 if kernel else 4
-        assert count("all-reduce", frozenset(device_groups(mesh, ["model"]))) >= per_block * layers
-    if module in RULED:  # a parameter split over the batch's axes is gathered for use (FSDP)
-        for path, spec in specs.items():
-            gathered = [axis for axis in jax.tree.leaves(tuple(spec)) if axis in batch]
-            if gathered:
-                groups = frozenset(device_groups(mesh, gathered))
-                assert any(op == "all-gather" and covers(g, groups) for op, g, *_ in found), path
-
-
-def logical_batch_axes(module, config):
-    axes = dict(module.RULES[config.rules])["batch"]
-    return (axes,) if isinstance(axes, str) else axes
-
-
-def pairs_of(line):
-    """A collective-permute's (source, target) pairs."""
-    return {
-        tuple(map(int, p))
-        for p in re.findall(r"\{(\d+),(\d+)\}", line.split("source_target_pairs=")[1])
-    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1748,97 +1382,6 @@ def test_ring_attention_passes_keys_and_values_around_the_ring(mesh, context):
         if c["op"] == "all-gather"
     ]
     assert all(size < block for size in gathers)
-
-
-def test_causal_attention_work_is_balanced():
-    """Each device holds a piece of the sequence and its mirror, so under the causal mask every
-    device attends to as many (query piece, key piece) blocks; contiguous pieces would not."""
-    for devices in (4, 8):
-        balanced = context_parallel.attention_work(devices)
-        contiguous = context_parallel.attention_work(devices, balanced=False)
-        print(
-            f"\ncontext={devices}: blocks per device {balanced}; contiguous pieces would give "
-            f"{contiguous}"
-        )
-        assert balanced == [2 * devices + 1] * devices  # the docstring's counts
-        assert contiguous == [4 * c + 3 for c in range(devices)]
-        order = context_parallel.balanced_order(4 * devices, devices)  # pieces of 2 positions
-        assert sorted(order) == list(range(4 * devices)) and list(order[:4]) == [
-            0,
-            1,
-            4 * devices - 2,
-            4 * devices - 1,
-        ]
-
-
-SPLITS = {
-    "ring": context_parallel.ring_attention,
-    "all-gather": context_parallel.all_gather_attention,
-    "ulysses": functools.partial(
-        context_parallel.ulysses_attention, attend=common.causal_attention
-    ),
-}
-
-
-@pytest.mark.parametrize("split", matrix(list(SPLITS), ["ring"]))
-def test_attention_split_in_bfloat16_is_as_accurate_as_jax(split):
-    """Each split of attention in bfloat16 (context=8, 1,024 positions, 16 heads) errs no more
-    than 1.2 x as much as jax.nn.dot_product_attention in bfloat16, in its output and in the
-    gradients of q, k and v: all compute the scores and the softmax in float32. (The reference is
-    float32: its own error, about 1e-7, is nothing beside bfloat16's, about 1e-3. Ulysses runs
-    JAX's attention on 16 / 8 heads per call: with one head per call, JAX's own errs 1.4 x more
-    in its gradients on XLA:CPU, hence 16 heads.)"""
-    length, devices = 1024, 8
-    # Auto axes: shard_map places the arrays, made on one device, as its in_specs say
-    mesh = jax.make_mesh((devices,), ("context",), axis_types=(jax.sharding.AxisType.Auto,))
-    order = context_parallel.balanced_order(length, devices)
-    back = np.argsort(order)
-    q, k, v, cotangent = (
-        jnp.asarray(np.random.default_rng(i).standard_normal((2, length, 16, 32)), jnp.bfloat16)
-        for i in range(4)
-    )
-
-    def split_attention(q, k, v):
-        spec = P(None, "context")
-        attend = jax.shard_map(SPLITS[split], mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
-        return attend(q[:, order], k[:, order], v[:, order])[:, back]
-
-    def out_and_grads(attend, dtype):
-        out, vjp = jax.vjp(jax.jit(attend), *(x.astype(dtype) for x in (q, k, v)))
-        return [out, *vjp(cotangent.astype(dtype))]
-
-    exact = out_and_grads(common.causal_attention, jnp.float32)
-
-    def errors(attend, dtype=jnp.bfloat16):
-        got = out_and_grads(attend, dtype)
-        return [
-            float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b))
-            for a, b in zip(got, exact, strict=True)
-        ]
-
-    split_errors, jax_errors = errors(split_attention), errors(common.causal_attention)
-    print(
-        f"\nbfloat16, relative to float32 (output, dq, dk, dv): {split} {split_errors}, JAX's "
-        f"{jax_errors}; {split} in float32 {errors(split_attention, jnp.float32)}"
-    )
-    assert all(r <= 1.2 * j for r, j in zip(split_errors, jax_errors, strict=True))
-    assert max(errors(split_attention, jnp.float32)) < 1e-5  # and in float32, the same numbers
-
-
-def test_attention_kernel_on_this_machine(monkeypatch):
-    """--attention auto is XLA's kernel on a CPU (cuDNN's needs an NVIDIA GPU and bfloat16); an
-    explicit kernel is passed through. On a TPU auto is splash where its blocks of 128 tokens
-    divide the sequence (tests/test_tpu.py compiles it)."""
-    assert jax.default_backend() == "cpu"
-    assert common.attention_kernel(common.Config(dtype="bfloat16")) == "xla"
-    assert common.attention_kernel(common.Config(attention="xla")) == "xla"
-    model = common.make_model(common.Config(attention="xla"))
-    assert model.hooks.attend.args[0].keywords == {"implementation": "xla"}
-    tpu = types.SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")
-    monkeypatch.setattr(jax, "devices", lambda: [tpu])
-    kernel = {n: common.attention_kernel(common.Config(seq_len=n)) for n in (64, 128, 1024)}
-    assert kernel == {64: "xla", 128: "splash", 1024: "splash"}
-    assert common.attention_kernel(common.Config(seq_len=128, attention="xla")) == "xla"
 
 
 @pytest.mark.parametrize(

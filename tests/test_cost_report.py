@@ -155,10 +155,15 @@ ENTRY %main (a: f32[8,4], q: pred[]) -> f32[8,4] {
 )
 def test_a_loop_runs_as_often_as_its_condition_says(branches):
     """TPU programs state no trip count: `i < 5` in the condition is 5 runs of the body (its
-    matmul, 2 x 8 x 8 x 4 FLOPs, and its all-gather); a conditional costs its costliest branch."""
+    matmul, 2 x 8 x 8 x 4 FLOPs, and its all-gather, in the run's own count too); a conditional
+    costs its costliest branch."""
     text = LOOP.replace("BRANCHES", branches)
     assert hlo.hlo_flops(text) == 5 * 512 + 512
     assert [(c["op"], c["runs"]) for c in hlo.hlo_collectives(text)] == [("all-gather", 5)]
+    assert common.collectives(text)["all-gather"] == {
+        "count": 5,
+        "bytes": 5 * 64 * 4 * 4,
+    }  # a run's
 
 
 @pytest.mark.parametrize(

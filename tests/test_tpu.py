@@ -4,6 +4,7 @@ and common.py, as a user's copy; its report checked against the compiled program
 script's docstring, and the predicted step time against hand arithmetic."""
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -58,7 +59,7 @@ def the_report_is_the_programs(done, summary, text, batch):
     assert summary["devices"] == 8 and summary["device_kind"] == "TPU v5 lite"
     # The program's inputs (their shapes, TPU's tile padding aside): the state's pieces the
     # report counts, and this chip's rows of the batch
-    computations, shapes, entry = hlo._hlo_program(text)
+    computations, shapes, entry = common.hlo_program(text)
     inputs = [name for name, opcode, *_ in computations[entry] if opcode == "parameter"]
     taken = sum(common._shape_bytes(shapes[name]) for name in inputs)
     assert 0 <= taken - summary["state_bytes_per_device"] <= batch + 1024, taken
@@ -391,10 +392,10 @@ def test_the_tools_read_programs_whose_answers_are_known():
     }
     read = {c["op"]: (c["runs"], c["bytes"]) for c in found["collectives"]}
     assert read == expected and {c["group"] for c in found["collectives"]} == {8}
-    # A run's own count (common.collectives): the same bytes a run (a loop's once: no trip count)
-    assert all(
-        found["printed"][op]["bytes"] == found["printed"][op]["count"] * expected[op][1]
-        for op in expected
-    )
+    # A run's own count (common.collectives, by kind): the same reading, loops' trips included
+    assert found["printed"] == {
+        op: {"count": expected.get(op, (0, 0))[0], "bytes": math.prod(expected.get(op, (0, 0)))}
+        for op in common.COLLECTIVES
+    }
     ring = 3 * 4 * MiB * (2 * 7 / 8 + 7 / 8 + 7 / 8 + 1) + 32 * MiB * 7 / 8  # hlo.wire's shares
     assert found["collective_seconds"] == pytest.approx(ring / 400e9)

@@ -21,6 +21,8 @@ import pjit_tp
 from tests import docs_model, docs_model_as_written, minigpt_as_written
 from tools import check
 from tests.harness import ROOT, as_flags, SCRIPTS, SMALL, TINY, copy_alone, run_script, run_uncached
+from tests.harness import STRATEGIES, matrix, model_flags
+from test_equivalence import compare, reference
 
 LLAMA = (ROOT / "tests" / "llama.py").read_text()
 
@@ -290,7 +292,6 @@ def test_the_checker_passes_the_tests_models(capsys):
 def test_the_checker_passes_a_model_that_names_no_axes(tmp_path, capsys):
     """Axis names are asked for only where a layout reads them: tests/docs_model.py without them
     keeps the contract, with a note of the scripts that will ask."""
-    from test_equivalence import unnamed_model
 
     check.main([*TINY, *as_flags(unnamed_model(tmp_path)), "--scripts", "none"])
     said = capsys.readouterr().out.splitlines()[0]
@@ -524,3 +525,38 @@ def test_the_flop_count_needs_no_parameter_names():
     n, vocab, d = result.summary["param_count"], SMALL.get("vocab_size", 256), SMALL["d_model"]
     expected = 6 * (n - vocab * d) + 12 * SMALL["layers"] * SMALL["seq_len"] * d
     assert hlo.costs(result.config, result.compiled)["flops_per_token"] == expected
+
+
+# The same model with no axis names: the scripts that do not lay parameters out by name train it;
+# the ones that do (tensor parallelism's table, logical rules, explicit presets) say so in a line.
+UNNAMED = ["shardmap_dp", "fsdp", "pipeline_1f1b", "context_parallel", "pmap_dp", "hsdp"]
+
+
+def unnamed_model(folder):
+    """tests/docs_model.py with every nnx.with_partitioning taken out: its initializers bare."""
+    text = (ROOT / "tests" / "docs_model.py").read_text()
+    bare = re.sub(
+        r"nnx\.with_partitioning\((nnx\.initializers\.\w+\([^)]*\)), (?:\w+|\([^)]*\))\)",
+        r"\1",
+        text,
+    )
+    assert "with_partitioning" not in bare and bare.count("nnx.initializers.") == 3
+    (folder / "unnamed.py").write_text(bare)
+    return {"model": str(folder / "unnamed.py"), "kv_heads": 2}
+
+
+@pytest.mark.parametrize("name", matrix(UNNAMED, ["fsdp"]))
+def test_a_model_without_axis_names_trains_where_no_layout_reads_them(name, tmp_path):
+    flags = unnamed_model(tmp_path)
+    compare(name, run_uncached(name, **flags), reference(**flags, **model_flags(name)), flags)
+
+
+@pytest.mark.parametrize("name", ["pjit_tp", "logical_fsdp_tp", "explicit_fsdp_tp"])
+def test_a_layout_by_name_says_a_model_names_no_axes(name, tmp_path, capsys):
+    module, strategy_flags = STRATEGIES[name]
+    config = module.Config(**{**SMALL, **strategy_flags, **unnamed_model(tmp_path)})
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(config)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and len(err) == 1, err
+    assert "nnx.with_partitioning" in err[0], err

@@ -123,7 +123,7 @@ def report(config, topology: str, compiled, state, seconds: float) -> dict:
     model_flops = step_flops / costs["step_flops_over_model"]
     wire = sum(c["wire_bytes"] for c in costs["collectives"].values())
     # A loop whose trip count the TPU program does not state (pipeline.py's ticks): its matmuls
-    # are counted (hlo._trips reads its condition), its HBM traffic (XLA's) once
+    # are counted (common.trips reads its condition), its HBM traffic (XLA's) once
     uncounted = sum(
         " while(" in line and "known_trip_count" not in line for line in text.split("\n")
     )

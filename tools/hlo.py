@@ -1,12 +1,11 @@
-"""The compiled step read closely: its matmul FLOPs and every collective with its trips, group
-and wire bytes, TPU programs included. tools/compile_for.py and the tests read a step with it;
-a run prints common.collectives' shorter count, which the tests hold equal to this one's.
+"""The compiled step read closely: its matmul FLOPs, and every collective (common.py's reading,
+which a run prints by kind) with its group and wire bytes, TPU programs included.
+tools/compile_for.py and the tests read a step with it.
 
   summary = hlo.costs(config, compiled)  # the run's collectives with wire bytes, the FLOPs
 """
 
 import functools
-import itertools
 import math
 import re
 
@@ -48,30 +47,6 @@ def flops_per_token(config, params) -> int:
 
 
 _ARRAY = re.compile(r"\b(pred|[a-z]+\d+[a-z0-9]*)\[([\d,]*)\]")  # f32[64,128], bf16[], pred[8]
-_CALLS = re.compile(r"\b(body|condition|calls|to_apply|branch_computations)=\{?%([\w.\-]+)")
-
-
-def _closing(text: str, start: int) -> int:
-    """The index just past the bracket that closes the one at text[start]."""
-    depths = itertools.accumulate((c == "(") - (c == ")") for c in text[start:])
-    return start + 1 + next(i for i, depth in enumerate(depths) if depth == 0)
-
-
-def _hlo_program(hlo_text: str):
-    """HLO text as ({computation: [(name, opcode, operands, attributes, line)]}, {name: shape})."""
-    computations, shapes, entry, current = {}, {}, None, None
-    for line in hlo_text.splitlines():
-        if not line.startswith((" ", "}")) and line.endswith("{") and "%" in line:
-            current = line.split("%")[1].split(" ")[0]
-            computations[current], entry = [], current if line.startswith("ENTRY") else entry
-        elif current and (instruction := re.match(r"\s*(?:ROOT )?%(\S+) = (.*)$", line)):
-            name, rest = instruction.groups()
-            end = _closing(rest, 0) if rest.startswith("(") else rest.index(" ")
-            shapes[name], rest = rest[:end], rest[end:].lstrip()
-            opcode, operands_end = rest[: rest.index("(")], _closing(rest, rest.index("("))
-            operands = re.findall(r"%([\w.\-]+)", rest[len(opcode) : operands_end])
-            computations[current].append((name, opcode, operands, rest[operands_end:], line))
-    return computations, shapes, entry
 
 
 def _taps(attributes: str, labels: tuple, lhs: list, out: list) -> float:
@@ -88,22 +63,14 @@ def _taps(attributes: str, labels: tuple, lhs: list, out: list) -> float:
     return taps
 
 
-def _trips(attributes: str, computations: dict) -> int:
-    """A while loop's trip count: XLA's, or its condition's `i < N` (TPU programs state none)."""
-    if known := re.search(r'"known_trip_count":\{"n":"(\d+)"', attributes):
-        return int(known[1])
-    condition = computations[re.search(r"\bcondition=%([\w.\-]+)", attributes)[1]]
-    _, opcode, operands, rest, _ = condition[-1]  # its ROOT
-    bound = {name: line for name, op, *_, line in condition if op == "constant"}
-    below = opcode == "compare" and "direction=LT" in rest and bound.get(operands[-1], "")
-    return int(re.search(r"constant\((\d+)\)", below)[1]) if below else 1
-
-
 def hlo_flops(hlo_text: str) -> float:
     """The matmul FLOPs of one run of compiled HLO, per device: a loop's body times its trips
-    (_trips; XLA's own cost analysis counts it once), a conditional's costliest branch (an upper
-    bound where branches differ: a pipeline's ticks, ring attention's skipped blocks)."""
-    computations, shapes, entry = _hlo_program(hlo_text)
+    (common.trips; XLA's own cost analysis counts it once), a conditional's costliest branch
+    (an upper bound where branches differ: a pipeline's ticks, ring attention's skipped
+    blocks)."""
+    import common
+
+    computations, shapes, entry = common.hlo_program(hlo_text)
 
     def dims(name):
         return [int(d) for d in _ARRAY.search(shapes[name]).group(2).split(",") if d]
@@ -132,7 +99,7 @@ def hlo_flops(hlo_text: str) -> float:
                 total += 2 * math.prod(lhs) * dims(name)[-1]
             elif opcode == "while":
                 body = re.search(r"\bbody=%([\w.\-]+)", attributes).group(1)
-                total += _trips(attributes, computations) * flops(body)
+                total += common.trips(attributes, computations) * flops(body)
             elif opcode == "conditional":
                 branches = re.findall(r"_computations?=(\{[^}]*\}|%[\w.\-]+)", attributes)
                 total += max(map(flops, re.findall(r"%([\w.\-]+)", " ".join(branches))))
@@ -144,53 +111,13 @@ def hlo_flops(hlo_text: str) -> float:
 
 
 def hlo_collectives(hlo_text: str) -> list:
-    """Every collective of compiled HLO as a dict: op, runs per step (a loop's, once a trip),
-    bytes (per device, the larger of its operands and its result), group and its HLO line."""
+    """Every collective of compiled HLO (common.collective_ops: op, runs per step, bytes per
+    device, its HLO line) with its group: how many devices it spans."""
     import common
 
-    computations, shapes, entry = _hlo_program(hlo_text)
-    sizes = {name: common._shape_bytes(shape) for name, shape in shapes.items()}
     counts = re.findall(r"(?:num_partitions|replica_count)=(\d+)", hlo_text)  # jit's, pmap's
     devices = max(map(int, counts or [1]))
-    callers = {}
-    for caller, instructions in computations.items():
-        for _, opcode, _, attributes, _ in instructions:
-            trips = _trips(attributes, computations) if opcode == "while" else 1  # body, condition
-            for _, callee in _CALLS.findall(attributes):
-                callers.setdefault(callee, []).append((caller, trips))
-
-    # TPU's async collectives repeat the op where they end and in what overlaps them: not counted
-    repeats = [c for c, ops in computations.items() if "AsyncCollectiveDone" in str(ops)]
-
-    @functools.cache
-    def runs(computation):
-        if computation == entry or computation in repeats:
-            return int(computation == entry)
-        return sum(runs(caller) * times for caller, times in callers.get(computation, ()))
-
-    found = []
-    for comp, instructions in computations.items():
-        for name, opcode, operands, _, line in instructions:
-            op = opcode.removesuffix("-start")  # async pairs: count the start, not the done
-            if comp.startswith("all-reduce-scatter"):  # TPU's reduce-scatter: a fused all-reduce
-                op = op.replace("all-reduce", "reduce-scatter")
-            if ragged := op == "ragged-all-to-all":  # the smaller of its rows and its room: a
-                op, operands = "all-to-all", operands[:1]  # device's choices, routed evenly
-            if (
-                op in common.COLLECTIVES
-                and runs(comp)
-                and not comp.startswith("async_collective_fusion")
-            ):
-                operand_bytes = sum(sizes.get(o, 0) for o in operands)
-                # An async start's result holds its operands too, then the outputs and its
-                # context (u32[] scalars: a collective-permute-start's two)
-                result_bytes = sizes[name]
-                if opcode.endswith("-start"):
-                    result_bytes -= operand_bytes + 4 * shapes[name].count("u32[]")
-                pick = min if ragged else max
-                size, group = pick(operand_bytes, result_bytes), group_size(line, devices)
-                found.append(dict(op=op, runs=runs(comp), bytes=size, group=group, line=line))
-    return found
+    return [dict(c, group=group_size(c["line"], devices)) for c in common.collective_ops(hlo_text)]
 
 
 def wire(op: str, n: int) -> float:
