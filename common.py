@@ -38,7 +38,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from orbax.checkpoint import v1 as ocp
 
 BYTES = 256  # the vocabulary of byte-level text
-ATTENTION = ("auto", "xla", "cudnn", "splash")  # auto: cudnn on a GPU where it runs
+ATTENTION = ("auto", "xla", "cudnn", "splash")  # auto: splash on a TPU, cudnn on a GPU, else xla
 DTYPES = ("float32", "bfloat16")
 MAX_VOCAB = 2**20  # larger ones take minutes to set up, and gigabytes, before anything is checked
 

@@ -37,7 +37,7 @@ Run:
   python context_parallel.py --attention-split ulysses --heads 8   # heads a multiple of N
   python context_parallel.py --distributed   # every host of a TPU pod slice (README)
 
-Read before: shardmap_dp.py. Read next: pipeline.py, which splits the model instead.
+Read before: shardmap_dp.py. Read next: expert_parallel.py, which splits the experts instead.
 Read more: Ring Attention (Liu et al. 2023, arXiv:2310.01889); DeepSpeed-Ulysses (Jacobs et al.
 2023, arXiv:2309.14509); Llama 3 (2024, arXiv:2407.21783: all-gather).
 """

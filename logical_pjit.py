@@ -1,4 +1,4 @@
-"""Logical axis names mapped to the mesh by rules: one model, four strategies.
+"""Logical axis names mapped to the mesh by rules: one model, six presets of four strategies.
 
 What is where: the model names every parameter axis ('embed', 'heads', 'mlp', 'vocab', ...)
 with nnx.with_partitioning and every activation axis ('batch', 'act_heads', ...) with
