@@ -37,7 +37,11 @@ def main(argv):
     path = Path(name if name.endswith(".py") else f"{name}.py")
     path = path if path.exists() else Path(__file__).resolve().parent.parent / path.name
     if not path.exists() or path.stem == "pmap_dp":  # pmap_dp.py: every device the whole state
-        sys.exit(f"show_sharding.py: error: {name} is not a script with a mesh (see its --help)")
+        print(
+            f"show_sharding.py: error: {name} is not a script with a mesh, e.g. fsdp",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     sys.path.insert(0, str(path.parent))  # the script's common.py
     script, common = importlib.import_module(path.stem), importlib.import_module("common")
     config = common.parse_config(script.Config, script.__doc__, argv[1:])
