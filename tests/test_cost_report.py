@@ -355,9 +355,10 @@ def test_scanned_compile_time_does_not_grow_with_layers(tmp_path):
 def test_show_sharding_prints_every_parameter():
     """tools/show_sharding.py: each parameter of fsdp.py's state, laid out as the script lays it."""
     tool = [sys.executable, str(ROOT / "tools" / "show_sharding.py")]
-    refused = subprocess.run([*tool, "pmap_dp"], capture_output=True, text=True, timeout=300)
+    run_tool = functools.partial(subprocess.run, cwd=ROOT, capture_output=True, text=True)
+    refused = run_tool([*tool, "pmap_dp.py"])
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
-    done = subprocess.run([*tool, "fsdp", *TINY], capture_output=True, text=True, timeout=300)
+    done = run_tool([*tool, "fsdp.py", *TINY], timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     table = dict(
         (line.split()[0], line.split()[1:])

@@ -1,9 +1,9 @@
 """Print every parameter of a script's state with its shape, layout and bytes per device, then
 draw the largest matrix the strategy splits (or the largest): from the state's shapes and
-shardings alone, nothing allocated. The script is a path (your copy, its common.py beside it)
-or a name here; the flags are the script's.
+shardings alone, nothing allocated. The script is a path (your copy, its common.py beside it,
+as tools/compile_for.py takes it); the flags are the script's.
 
-  python tools/show_sharding.py pjit_tp --mesh data=2,model=4
+  python tools/show_sharding.py pjit_tp.py --mesh data=2,model=4
   python tools/show_sharding.py my_project/logical_pjit.py --rules fsdp_tp --model my_model.py
 """
 
@@ -33,12 +33,10 @@ def show_sharding(params):
 
 
 def main(argv):
-    name = argv[0] if argv else "none"
-    path = Path(name if name.endswith(".py") else f"{name}.py")
-    path = path if path.exists() else Path(__file__).resolve().parent.parent / path.name
-    if not path.exists() or path.stem == "pmap_dp":  # pmap_dp.py: every device the whole state
+    path = Path(argv[0] if argv else "none")
+    if path.suffix != ".py" or not path.exists() or path.stem == "pmap_dp":  # pmap: all on all
         print(
-            f"show_sharding.py: error: {name} is not a script with a mesh, e.g. fsdp",
+            f"show_sharding.py: error: {path} is not a script with a mesh, e.g. fsdp.py",
             file=sys.stderr,
         )
         raise SystemExit(2)
