@@ -99,9 +99,8 @@ class TrainingConfig:
     microbatches: int = arg(1, "gradient accumulation: sequential micro-batches per step", min=1)
     scan_layers: bool = arg(False, "run the blocks with lax.scan: one compiled block")
     remat: bool = arg(False, "recompute each block's activations in the backward pass")
-    dataset: str = arg("synthetic", "synthetic, input.txt, a TFDS name or yours (my_data.py)")
-    data_dir: str | None = arg(None, "where TFDS datasets are prepared (tools/check.py)")
-    text_key: str = arg("text", "the TFDS dataset's text feature")
+    dataset: str = arg("synthetic", "synthetic, input.txt, or your loader: my_data.py[:load]")
+    data_dir: str | None = arg(None, "your loader's folder (tests/token_data.py, tfds_text.py)")
 
 
 # What a checkpoint records of the flags: those that change what the weights mean cannot change
@@ -111,7 +110,7 @@ SHAPE_FLAGS = "layers d_model heads kv_heads mlp_dim seq_len vocab_size scan_lay
 SHAPE_FLAGS = (*SHAPE_FLAGS.split(), "shared_experts", "tie_embeddings")
 TRAJECTORY_FLAGS = tuple(
     "steps batch_size lr warmup_steps weight_decay clip_norm seed dropout dtype microbatches "
-    "dataset text_key top_k capacity_factor router_aux_weight router_bias_rate".split()
+    "dataset top_k capacity_factor router_aux_weight router_bias_rate".split()
 )
 
 
@@ -1099,6 +1098,8 @@ class TextFile:
 
     def __init__(self, config: TrainingConfig, splits: dict | None = None, about: str = ""):
         self.seed, self.seq_len, path = config.seed, config.seq_len, config.dataset
+        bytes_only = f"must be {BYTES} for text (bytes), e.g. --vocab-size {BYTES}"
+        require(config.vocab_size == BYTES, "vocab_size", bytes_only)
         if splits is None:
             require(os.path.isfile(path), "dataset", f"{path} is not a file, e.g. input.txt")
             data = np.fromfile(path, np.uint8)
@@ -1334,7 +1335,7 @@ def is_yours(dataset: str) -> bool:
 
 @functools.cache  # one dataset per config: setup() opens it to check it, main() reads it
 def load_dataset(config: TrainingConfig):
-    """The dataset --dataset names: synthetic, a text file, TFDS's or what your load() returns."""
+    """The dataset --dataset names: synthetic, a text file or what your load() returns."""
     name = config.dataset
     if name == "synthetic":
         return SyntheticData(config.seed, config.seq_len, config.vocab_size)
@@ -1344,33 +1345,7 @@ def load_dataset(config: TrainingConfig):
         eg = "e.g. --dataset synthetic"
         require(callable(make), "dataset", f"{module} has no {function or 'load'}(config), {eg}")
         return make(config)
-    if name.endswith(".txt") or os.sep in name or os.path.isfile(name):
-        return TextFile(config)
-    return tfds_text(config)
-
-
-def tfds_text(config: TrainingConfig):
-    """A TFDS dataset prepared in --data-dir: its text records joined by newlines, as bytes."""
-    import tensorflow_datasets as tfds
-
-    name, folder, key = config.dataset, config.data_dir, config.text_key
-    try:
-        builder = tfds.builder(name, data_dir=folder)
-    except tfds.core.registered.DatasetNotFoundError:
-        builder = None
-    how = f"neither 'synthetic', a file nor prepared (python tools/check.py --dataset {name})"
-    eg = "e.g. --dataset synthetic"
-    require(builder and builder.is_prepared(), "dataset", f"{name} is {how}, {eg}")
-    features = list(builder.info.features)
-    require(key in features, "text_key", f"{key} is not in {name}, e.g. --text-key {features[0]}")
-    held_out = "validation" if "validation" in builder.info.splits else "test"
-
-    def read(split):
-        records = tfds.data_source(name, split=split, data_dir=folder, download=False)
-        return b"\n".join(records[i][key] for i in range(len(records)))
-
-    about = f"TFDS {builder.info.full_name} '{key}' as bytes, held out: {held_out}"
-    return TextFile(config, {"train": read("train"), "eval": read(held_out)}, about)
+    return TextFile(config)
 
 
 def eval_batches(dataset, config: TrainingConfig) -> list:
@@ -1412,9 +1387,6 @@ def check_training(c: TrainingConfig):
     require(not c.experts or 1 <= c.top_k <= c.experts, "top_k", top_k)
     most = f"must be at most {MAX_VOCAB:,}, e.g. --vocab-size 50304"
     require(c.vocab_size <= MAX_VOCAB, "vocab_size", most)
-    text = c.dataset != "synthetic" and not is_yours(c.dataset)
-    bytes_only = f"must be {BYTES} for text (bytes), e.g. --vocab-size {BYTES}"
-    require(not text or c.vocab_size == BYTES, "vocab_size", bytes_only)
     if c.attention == "cudnn" and (problem := why_not_cudnn(c)):
         require(False, "attention", f"cudnn {problem}")
     blocks = f"splash takes blocks of 128 tokens, e.g. --seq-len {max(1, c.seq_len // 128) * 128}"

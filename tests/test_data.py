@@ -1,6 +1,6 @@
 """The data: batches that depend only on (seed, step), whatever the devices and processes;
-the synthetic source's loss floor; real text through TFDS, on a dataset the tests build
-(nothing can be downloaded in CI)."""
+the synthetic source's loss floor; real text through TFDS (tests/tfds_text.py, a loader of
+yours), on a dataset the tests build (nothing can be downloaded in CI)."""
 
 import dataclasses
 import json
@@ -15,6 +15,7 @@ import tensorflow_datasets as tfds
 
 import common
 import shardmap_dp
+from tests import tfds_text
 from tests.harness import (
     DEFAULTS,
     ROOT,
@@ -213,10 +214,13 @@ def text_data_dir(tmp_path_factory):
     return str(data_dir)
 
 
-@pytest.mark.parametrize("name, key", [("tiny_text", "text"), ("body_text", "body")])
-def test_text_batches_are_windows_of_the_text(name, key, text_data_dir):
-    """Every row a window of its split's text (the feature --text-key names)."""
-    flags = {"dataset": name, "data_dir": text_data_dir, "text_key": key}
+TFDS = str(ROOT / "tests" / "tfds_text.py")  # the loader, named as a user names it: a path
+
+
+@pytest.mark.parametrize("name", ["tiny_text", "body_text"])
+def test_text_batches_are_windows_of_the_text(name, text_data_dir):
+    """Every row a window of its split's text (`text`, or the only text feature: `body`)."""
+    flags = {"dataset": f"{TFDS}:{name}", "data_dir": text_data_dir}
     config = common.Config(**{**SMALL, **flags})
     data = common.load_dataset(config)
     record_flags(common, config)  # the batches against the texts they come from
@@ -242,7 +246,7 @@ def test_scripts_learn_a_tfds_dataset_with_dropout(name, text_data_dir, tmp_path
     below its start, and the held-out loss is logged and falls too."""
     metrics = tmp_path / "metrics.jsonl"
     tfds_run = {
-        "dataset": "tiny_text",
+        "dataset": f"{TFDS}:tiny_text",
         "data_dir": text_data_dir,
         "steps": 16,
         "eval_every": 8,
@@ -270,7 +274,7 @@ def test_command_line_reads_a_prepared_tfds_dataset(text_data_dir, tmp_path):
         tmp_path,
         *TINY,
         "--dataset",
-        "tiny_text",
+        f"{TFDS}:tiny_text",
         "--data-dir",
         text_data_dir,
         "--eval-every",
@@ -283,22 +287,24 @@ def test_command_line_reads_a_prepared_tfds_dataset(text_data_dir, tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--dataset", "no_such_dataset"], "--dataset no_such_dataset is neither"),
-        (["--dataset", "tiny_text", "--text-key", "body"], "--text-key body is not in tiny_text"),
+        (["--dataset", "no_such.txt"], "--dataset no_such.txt is not a file"),
+        (["--dataset", "TFDS:no_such_dataset"], "--dataset no_such_dataset is neither in TFDS"),
         # CI reaches no internet: tiny_shakespeare is not prepared in an empty folder
         (
-            ["--dataset", "tiny_shakespeare", "--data-dir", "EMPTY"],
-            "--dataset tiny_shakespeare is neither 'synthetic', a file nor prepared (python "
-            "tools/check.py --dataset tiny_shakespeare)",
+            ["--dataset", "TFDS:tiny_shakespeare", "--data-dir", "EMPTY"],
+            "--dataset tiny_shakespeare is not prepared: python tools/check.py --dataset ",
         ),
         # Before: trained on newline padding alone, and exited 0.
-        (["--dataset", "empty_text"], "--dataset empty_text is too short"),
+        (["--dataset", "TFDS:empty_text"], "tfds_text.py:empty_text is too short"),
+        (["--dataset", "TFDS:tiny_text", "--vocab-size", "512"], "--vocab-size must be 256"),
     ],
-    ids=["unknown", "no text key", "not prepared", "all texts empty"],
+    ids=["no file", "unknown", "not prepared", "all texts empty", "not bytes"],
 )
 def test_bad_dataset_exits_2_with_one_line(flags, message, text_data_dir, tmp_path):
     (tmp_path / "empty").mkdir()
-    flags = [str(tmp_path / "empty") if f == "EMPTY" else f for f in flags]
+    flags = [
+        str(tmp_path / "empty") if f == "EMPTY" else f.replace("TFDS:", f"{TFDS}:") for f in flags
+    ]
     data_dir = [] if "--data-dir" in flags else ["--data-dir", text_data_dir]
     done = run_script("shardmap_dp", tmp_path, *TINY, *flags, *data_dir)
     assert done.returncode == 2, done.stderr[-2000:]
@@ -316,20 +322,12 @@ def check(tmp_path, *flags, env=None):
     return subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True)
 
 
-@pytest.mark.parametrize(
-    "flags, message",
-    [
-        # A manual folder without the file the builder downloads: said before anything is tried
-        (
-            ["--tfds-manual-dir", "."],
-            "--tfds-manual-dir . holds no input.txt: tiny_shakespeare is prepared from https://",
-        ),
-    ],
-    ids=["empty manual folder"],
-)
-def test_the_checker_prepares_tfds_or_says_why_not(flags, message, tmp_path):
-    done = check(tmp_path, "--dataset", "tiny_shakespeare", "--data-dir", "tfds", *flags)
+def test_the_checker_prepares_tfds_or_says_why_not(tmp_path):
+    """TFDS's manual folder without the file its builder downloads: said before trying."""
+    (tmp_path / "tfds" / "downloads" / "manual").mkdir(parents=True)
+    done = check(tmp_path, "--dataset", f"{TFDS}:tiny_shakespeare", "--data-dir", "tfds")
     errors = [line for line in done.stderr.splitlines() if "check.py: error:" in line]
+    message = "downloads/manual holds no input.txt: download https://"
     assert done.returncode == 2 and len(errors) == 1 and message in errors[0], done.stderr[-2000:]
 
 
@@ -341,10 +339,17 @@ def test_preparing_without_tensorflow_says_what_to_install(tmp_path):
         "raise ImportError('No module named tensorflow')\n"
     )
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "no_tensorflow")}
-    done = check(tmp_path, "--dataset", "tiny_shakespeare", "--data-dir", "tfds", env=env)
+    done = check(tmp_path, "--dataset", f"{TFDS}:tiny_shakespeare", "--data-dir", "tfds", env=env)
     errors = [line for line in done.stderr.splitlines() if "check.py: error:" in line]
     assert done.returncode == 2 and done.stdout == "", done.stdout
     assert len(errors) == 1 and 'needs TensorFlow: pip install "tensorflow-cpu==' in errors[0]
+
+
+def test_a_dataset_of_several_texts_is_refused_naming_them():
+    features = {"title": tfds.features.Text(), "body": tfds.features.Text()}
+    with pytest.raises(common.ConfigError, match="has text features title, body: name one"):
+        tfds_text.text_feature("two_texts", features)
+    assert tfds_text.text_feature("one", {"body": tfds.features.Text(), "id": None}) == "body"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -393,7 +398,7 @@ def source(request, text_data_dir, token_dir, tmp_path):
     flags = {
         "synthetic": {},
         "text-file": {"dataset": str(tmp_path / "input.txt")},
-        "tfds": {"dataset": "tiny_text", "data_dir": text_data_dir},
+        "tfds": {"dataset": f"{TFDS}:tiny_text", "data_dir": text_data_dir},
         "your-loader": {"dataset": "tests/token_data.py", "data_dir": token_dir, "vocab_size": 512},
     }[request.param]
     (tmp_path / "input.txt").write_text(words(3, 20_000))

@@ -1,13 +1,14 @@
-"""Check a model or dataset of yours against the scripts' contract before you train on it, and
-prepare a TFDS dataset: every piece is built and traced on shapes alone, then each script's step
-as the script runs it (its shard_map's manual axes, its rules' Auto layout, its Explicit types),
-nothing compiled or computed; a batch of each split is read. Each breach is one line naming the
-piece, parameter or batch and what to do (a script's refusal in its own words), exit status 2.
+"""Check a model or dataset of yours against the scripts' contract before you train on it:
+every piece is built and traced on shapes alone, then each script's step as the script runs it
+(its shard_map's manual axes, its rules' Auto layout, its Explicit types), nothing compiled or
+computed; a batch of each split is read (after the loader's prepare(config), if it has one:
+tests/tfds_text.py's downloads its dataset). Each breach is one line naming the piece, parameter
+or batch and what to do (a script's refusal in its own words), exit status 2.
 
   python tools/check.py --model my_model.py             # the flags of any script, e.g.
   python tools/check.py --model my_project.model --layers 2 --seq-len 128 --scripts fsdp
   python tools/check.py --dataset my_data.py --vocab-size 50304
-  python tools/check.py --dataset tiny_shakespeare --data-dir ~/tfds   # prepares it once
+  python tools/check.py --dataset tests/tfds_text.py:tiny_shakespeare --data-dir ~/tfds
 
 The contract is written in common.py's model section. The scripts refuse what they can see
 themselves (a flag the model ignores, a layout call they cannot run) before compiling; the
@@ -34,7 +35,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # common.py, be
 import common  # noqa: E402
 from common import ConfigError, require  # noqa: E402
 
-TENSORFLOW = "tensorflow-cpu==2.21.0"  # what preparing a TFDS catalogue dataset imports
 # Each way a script runs a model (pmap_dp.py's is shardmap_dp.py's; expert_parallel.py's with
 # --experts): shard_map's manual axes, by hand, the rules' Auto layout and the Explicit types
 SCRIPTS = "shardmap_dp fsdp pjit_tp logical_pjit explicit_sharding pipeline context_parallel"
@@ -43,9 +43,6 @@ SCRIPTS = (*SCRIPTS.split(), "expert_parallel")
 
 @dataclasses.dataclass(frozen=True)
 class Config(common.Config):
-    tfds_manual_dir: str | None = common.arg(
-        None, "already downloaded source files, to prepare a TFDS dataset offline"
-    )
     scripts: str = common.arg(
         ",".join(SCRIPTS), "the scripts to trace --model's step in (none: the contract alone)"
     )
@@ -303,14 +300,14 @@ READ = 16  # batches of each split read: the largest id of one batch may not be 
 
 
 def check_dataset(config: Config):
-    """The dataset --dataset names, prepared if it is a TFDS one that is not yet, and READ
+    """The dataset --dataset names, prepared if its loader has prepare(config), and READ
     batches of each split read: int32 tokens [rows, --seq-len + 1], from 0 to --vocab-size - 1.
     What it is, and the ids read."""
     name = config.dataset
-    if name != "synthetic" and not common.is_yours(name) and not os.path.exists(name):
-        prepare_tfds(config)
     origin = name.partition(":")[0]
     try:
+        if common.is_yours(name):  # its loader's prepare(config) first, e.g. tfds_text.py's
+            vars(common.import_yours(origin, "dataset")).get("prepare", lambda c: None)(config)
         dataset = common.load_dataset(config)
     except ConfigError:
         raise
@@ -351,49 +348,6 @@ def check_dataset(config: Config):
         f"--vocab-size {config.vocab_size} - 1: give your tokenizer's size (at least {most + 1})",
     )
     return f"{dataset.describe()}; token ids from {least} to {most} in {2 * READ} batches"
-
-
-def prepare_tfds(config: Config):
-    """Download and convert a TFDS dataset into --data-dir, from --tfds-manual-dir if given."""
-    import tensorflow_datasets as tfds
-
-    name = config.dataset
-    try:
-        builder = tfds.builder(name, data_dir=config.data_dir, file_format="array_record")
-    except tfds.core.registered.DatasetNotFoundError:
-        raise ConfigError(
-            f"--dataset {name} is not a TFDS dataset, e.g. tiny_shakespeare"
-        ) from None
-    if builder.is_prepared():
-        return
-    files = {
-        i.filename or url.rsplit("/", 1)[-1]: url for url, i in (builder.url_infos or {}).items()
-    }
-    if config.tfds_manual_dir:
-        missing = [f for f in files if not os.path.exists(os.path.join(config.tfds_manual_dir, f))]
-        require(
-            not missing or len(missing) < len(files),
-            "tfds_manual_dir",
-            f"{config.tfds_manual_dir} holds no {', '.join(missing)}: {name} is prepared from "
-            f"{', '.join(files[f] for f in missing)}; download it into that folder",
-        )
-    try:  # TFDS's catalogue builders write through TensorFlow; reading later does not need it
-        import tensorflow as tf
-    except ImportError:
-        raise ConfigError(
-            f'--dataset {name}: preparing it needs TensorFlow: pip install "{TENSORFLOW}"'
-        ) from None
-    tf.config.set_visible_devices([], "GPU")  # leave the GPUs to JAX
-    print(f"preparing TFDS {name} in {builder.data_dir}", flush=True)
-    try:
-        manual = tfds.download.DownloadConfig(manual_dir=config.tfds_manual_dir)
-        builder.download_and_prepare(download_config=manual)
-    except Exception as error:  # no network, a bad manual file, ...
-        raise ConfigError(
-            f"--dataset {name} is not prepared and preparing it failed "
-            f"({' '.join(str(error).split())[:300]}); prepare it where the internet is reachable "
-            "or pass the downloaded files with --tfds-manual-dir"
-        ) from None
 
 
 def main(argv=None):
