@@ -1101,7 +1101,8 @@ class TextFile:
         bytes_only = f"must be {BYTES} for text (bytes), e.g. --vocab-size {BYTES}"
         require(config.vocab_size == BYTES, "vocab_size", bytes_only)
         if splits is None:
-            require(os.path.isfile(path), "dataset", f"{path} is not a file, e.g. input.txt")
+            neither = "is neither 'synthetic', a file nor a loader (tests/tfds_text.py:tiny_text)"
+            require(os.path.isfile(path), "dataset", f"{path} {neither}, e.g. --dataset synthetic")
             data = np.fromfile(path, np.uint8)
             splits = {"train": data[: len(data) * 9 // 10], "eval": data[len(data) * 9 // 10 :]}
             about = f"{path} as bytes, {len(data):,} of them, the last tenth held out"
@@ -1955,12 +1956,9 @@ class Logger:
         self.losses, self.grad_norms, self.router, self.pending, self.seconds = [], [], [], [], []
         self.waits, self.earlier, self.eval_loss, self.file = [], [], None, None
         device, devices, processes = jax.devices()[0], jax.device_count(), jax.process_count()
-        rows = config.batch_size // config.batch_shards()
-        self.summary = dict(
-            platform=device.platform, device_kind=device.device_kind, dtype=config.dtype
-        )
-        self.summary.update(layout=layout, devices=devices, processes=processes, **report)
-        self.summary["loss_floor"] = getattr(dataset, "loss_floor", None)
+        s = self.summary = dict(platform=device.platform, device_kind=device.device_kind)
+        s.update(dtype=config.dtype, layout=layout, devices=devices, processes=processes, **report)
+        s["loss_floor"] = getattr(dataset, "loss_floor", None)  # None: unknown
         if config.metrics_file and is_main_process():
             with contextlib.suppress(FileNotFoundError), open(config.metrics_file) as old:
                 for line in old if start else ():
@@ -1974,8 +1972,9 @@ class Logger:
         log_print(
             f"{devices} {device.platform} devices in {processes} process(es) | {layout} | "
             f"{report['param_count'] / 1e6:.2f}M parameters, {computes(config)}\nbatch "
-            f"{config.batch_size} x {config.seq_len} tokens ({rows} per "
-            f"device) | {dataset.describe()}\ncompiled the train step in "
+            f"{config.batch_size} x {config.seq_len} tokens "
+            f"({config.batch_size // config.batch_shards()} per device) | "
+            f"{dataset.describe()}\ncompiled the train step in "
             f"{report['compile_seconds']:.1f}s"
         )
         self.last_time = time.perf_counter()

@@ -1,36 +1,28 @@
 """Pipeline parallelism in jax.shard_map: GPipe, 1F1B, zero-bubble and interleaved, the schedule as
 data.
 
-What is where: the global batch is split by rows over the mesh axis 'data' (P('data')), each
-device taking an equal share. The blocks are cut into contiguous groups, one per device along
-the mesh axis 'stage' (--mesh data=2,stage=4): they are stacked along a layer axis, as
---scan-layers stacks them, and that axis is split over 'stage' (P(None, 'stage')), so each
-device holds one stage's blocks and their Adam moments; interleaved, stage s holds groups s,
-s + stages, ... of --virtual-stages times as many, smaller groups. The embedding runs on the
-first stage and the head on the last, but between steps they and their Adam moments are split
-over 'stage' like the blocks, each device keeping 1/stages of them (at GPT-2's vocabulary they
-are most of the model); the step gathers them whole and reduce-scatters their gradients.
+What is where: the global batch is split by rows over the mesh axis 'data' (P('data')). The
+blocks, stacked along a layer axis as --scan-layers stacks them, are split over 'stage'
+(P(None, 'stage'), --mesh data=2,stage=4): each device holds one stage's contiguous blocks and
+their Adam moments (interleaved: groups s, s + stages, ... of --virtual-stages times as many,
+smaller groups). The embedding runs on the first stage and the head on the last; between steps
+they and their Adam moments are split over 'stage' too (at GPT-2's vocabulary they are most of
+the model), gathered whole for the step, their gradients reduce-scattered.
 A step: each device cuts its rows into --microbatches micro-batches that flow through the
-stages. A schedule, a table made on the host (make_schedule; --show-schedule prints it), says
-at each tick which micro-batch each stage runs forward or backward: GPipe runs every forward,
-then every backward; 1F1B starts backwards as soon as the pipeline is full and keeps at most
-`stage` micro-batches in flight on a stage, whatever their number; zero-bubble (ZB-H1) splits
-each backward into the input's gradient, which the previous stage waits for, and the weights'
-gradient, which nobody waits for and which fills the ticks 1F1B leaves idle; interleaved
-(Megatron's) runs 1F1B over the smaller groups, each micro-batch going round the ring of stages
---virtual-stages times, so filling and draining the pipeline takes ticks of a group, not of a
-stage. After each tick every stage passes its output forward and its input gradient backward to
-its neighbours (ppermute).
-Between a micro-batch's forward and its backward a stage keeps only that micro-batch's input;
-the backward runs jax.vjp of the stage on it, recomputing the stage as --remat does; the last
-stage's head and loss run only there (the forward stops at the blocks). Zero-bubble's B keeps,
-until its W, each dense layer's input and output gradient, and W is only the kernels' gradients
-from them (x^T dy): the two cost one backward.
-Collectives per step: two collective-permutes per tick between neighbouring stages (the
-activations forward, their gradients backward); an all-gather over 'stage' of the embedding and
-the head, and a reduce-scatter of their gradients (only the first and last stage have them):
-together the bytes of the all-reduce that copies kept whole would need; an all-reduce over
-'data' of all gradients, as in data parallelism; tiny ones of the gradient norm and metrics.
+stages, as a table made on the host says (make_schedule; --show-schedule prints it): which
+micro-batch each stage runs forward or backward at each tick. GPipe runs every forward, then
+every backward; 1F1B starts backwards once the pipeline is full, keeping at most `stages`
+micro-batches in flight; zero-bubble (ZB-H1) splits each backward into the input's gradient,
+which the previous stage waits for, and the weights' gradient, which fills the ticks 1F1B
+leaves idle; interleaved (Megatron's) runs 1F1B over the smaller groups, each micro-batch going
+round the ring of stages --virtual-stages times, so filling and draining take ticks of a group.
+After each tick every stage passes its output forward and its input's gradient back (ppermute).
+A stage keeps only a micro-batch's input between its forward and its backward, which runs
+jax.vjp of the stage on it (recomputing it, as --remat does); zero-bubble's B keeps each dense
+layer's input and output gradient for its W (x^T dy): the two cost one backward.
+Collectives per step: two collective-permutes a tick between neighbouring stages; an all-gather
+over 'stage' of the embedding and head and a reduce-scatter of their gradients (together an
+all-reduce's bytes); an all-reduce over 'data' of all gradients, as in data parallelism.
 
 What changes from shardmap_dp.py: the parameters are split over 'stage' instead of replicated, and
 the step is no longer one forward and one backward of the whole model: it is a schedule of
@@ -69,25 +61,11 @@ SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved")
 
 @dataclasses.dataclass(frozen=True)
 class Config(common.Config):
-    mesh: str = common.arg(
-        "auto", "mesh axis sizes, e.g. data=2,stage=4; 'auto' gives that on 8 devices"
-    )
-    schedule: str = common.arg(
-        "1f1b", "the order of the micro-batches' forwards and backwards", choices=SCHEDULES
-    )
-    microbatches: int = common.arg(
-        8, "micro-batches per step flowing through the pipeline (per data shard)"
-    )
-    virtual_stages: int = common.arg(
-        2,
-        "--schedule interleaved: groups of layers per stage (stage s holds groups s, s + stages, "
-        "...)",
-    )
-    show_schedule: bool = common.arg(
-        False,
-        "print the schedule (which stage runs which micro-batch at each tick) and exit, without "
-        "training",
-    )
+    mesh: str = common.arg("auto", "mesh axis sizes, e.g. data=2,stage=4 (auto on 8 devices)")
+    schedule: str = common.arg("1f1b", "the forwards' and backwards' order", choices=SCHEDULES)
+    microbatches: int = common.arg(8, "micro-batches a step, through the pipeline (a data shard's)")
+    virtual_stages: int = common.arg(2, "interleaved: groups of layers a stage (s, s + stages...)")
+    show_schedule: bool = common.arg(False, "print the schedule's ticks and exit, training nothing")
 
     def virtual(self):
         """Groups of layers per stage: --virtual-stages when interleaved, else one."""
@@ -121,65 +99,41 @@ class Config(common.Config):
 
     def validate(self):
         # The schedule's own flags first: the batch's checks below divide by what they make.
-        common.require(
-            self.schedule == "interleaved" or self.virtual_stages == 2,
-            "virtual_stages",
-            "is for --schedule interleaved only, e.g. --schedule interleaved",
-        )
-        common.require(
-            self.virtual_stages >= 2,
-            "virtual_stages",
-            "must be at least 2, e.g. --virtual-stages 2 (one group per stage is --schedule 1f1b)",
-        )
+        only = "is for --schedule interleaved only, e.g. --schedule interleaved"
+        interleaved = self.schedule == "interleaved"
+        common.require(interleaved or self.virtual_stages == 2, "virtual_stages", only)
+        one = "must be at least 2, e.g. --virtual-stages 2 (one group per stage is --schedule 1f1b)"
+        common.require(self.virtual_stages >= 2, "virtual_stages", one)
         stages, groups, n = self.mesh_axes()["stage"], self.virtual(), jax.device_count()
         split = stages if stages > 1 or n % 2 else 2  # one stage pipelines nothing (below)
-        common.require(
-            self.layers % (stages * groups) == 0,
-            "layers",
-            f"{self.layers} must split evenly over stage={split}"
-            + (f" x {groups} groups" if groups > 1 else "")
-            + f", e.g. --layers {split * groups * max(1, self.layers // (split * groups))}",
-        )
+        over = f"over stage={split}" + f" x {groups} groups" * (groups > 1)
+        eg = f"e.g. --layers {split * groups * max(1, self.layers // (split * groups))}"
+        evenly = f"{self.layers} must split evenly {over}, {eg}"
+        common.require(self.layers % (stages * groups) == 0, "layers", evenly)
         if stages == 1 and n % 2 == 0:  # nothing pipelined: a mesh of 2 stages, and what it takes
             layers = 2 * groups * -(-self.layers // (2 * groups))
-            m = next(
-                m for m in range(self.microbatches, 2 * self.microbatches + 2) if self.takes(m, 2)
-            )
+            m = next(m for m in range(self.microbatches, 3 * self.microbatches) if self.takes(m, 2))
             eg = f"--mesh data={n // 2},stage=2" + f" --layers {layers}" * (layers != self.layers)
             eg += f" --microbatches {m}" * (m != self.microbatches)
             why = f"gives stage=1 under --schedule {self.schedule}: nothing is pipelined"
             common.require(False, "mesh", f"{self.mesh} {why}; e.g. {eg}")
-        data = self.mesh_axes()["data"]
-        fits = [  # micro-batch counts this batch splits into, which the schedule takes
-            m
-            for m in range(1, self.batch_size // data + 1)
-            if self.batch_size % (data * m) == 0 and self.takes(m, stages)
-        ]
-        m = max([m for m in fits if m <= self.microbatches] or fits[:1] or [0])
-        common.require(  # else the shared check below suggests a --batch-size
-            self.batch_size % (data * self.microbatches) == 0 or not m,
-            "batch_size",
-            f"{self.batch_size} must be divisible by {data} batch shards x {self.microbatches} "
-            f"micro-batches, e.g. --microbatches {m} (or --batch-size "
-            f"{data * self.microbatches * max(1, self.batch_size // (data * self.microbatches))})",
-        )
+        data, size, count = self.mesh_axes()["data"], self.batch_size, self.microbatches
+        fits = [m for m in range(1, size // data + 1) if size % (data * m) == 0]  # micro-batches
+        fits = [m for m in fits if self.takes(m, stages)]  # that the schedule takes
+        m = max([m for m in fits if m <= count] or fits[:1] or [0])
+        eg = f"--microbatches {m} (or --batch-size {data * count * max(1, size // (data * count))})"
+        divisible = f"{size} must be divisible by {data} batch shards x {count} micro-batches"
+        divides = size % (data * count) == 0 or not m  # not m: the shared check suggests a size
+        common.require(divides, "batch_size", f"{divisible}, e.g. {eg}")
         super().validate()
         eg = f"--microbatches {m}" if m else f"--microbatches {stages} --batch-size {data * stages}"
-        rule = "a multiple of" if self.schedule == "interleaved" else "at least"
-        common.require(
-            self.takes(self.microbatches, stages),
-            "microbatches",
-            f"must be {rule} the {stages} stages for --schedule {self.schedule}, e.g. {eg}",
-        )
-        common.require(
-            not self.scan_layers,
-            "scan_layers",
-            "is how the pipeline holds its blocks already, e.g. --no-scan-layers"
-            + " --no-remat" * self.remat,  # refused next
-        )
-        common.require(
-            not self.remat, "remat", "is what each stage's backward does already, e.g. --no-remat"
-        )
+        rule = "a multiple of" if interleaved else "at least"
+        many = f"must be {rule} the {stages} stages for --schedule {self.schedule}, e.g. {eg}"
+        common.require(self.takes(count, stages), "microbatches", many)
+        held = "is how the pipeline holds its blocks already, e.g. --no-scan-layers"
+        common.require(not self.scan_layers, "scan_layers", held + " --no-remat" * self.remat)
+        redone = "is what each stage's backward does already, e.g. --no-remat"
+        common.require(not self.remat, "remat", redone)
 
 
 def make_mesh(config):
@@ -205,110 +159,65 @@ COLUMNS = {"input": (INPUT_SLOT, INPUT_ARRIVES), "gradient": (GRADIENT_SLOT, GRA
 
 
 def stage_order(kind, stages, microbatches, s, virtual=1):
-    """The order of stage s's work: (op, v, m), op on micro-batch m of the stage's v-th group of
-    layers (chunk v * stages + s of the model; v is 0 but for interleaved). GPipe: every
-    forward, then every backward. 1F1B: stages - s - 1 forwards to fill the pipeline, then one
-    forward and one backward in turn, then the backwards left; so at most stages - s
-    micro-batches are between their forward and their backward on stage s. Zero-bubble: 1F1B's
-    order with INPUT_GRAD for BACKWARD; make_schedule places the WEIGHT_GRADs. Interleaved
-    (Megatron's interleaved 1F1B, PyTorch's ScheduleInterleaved1F1B): the same with
-    (virtual - 1) * stages + 2 * (stages - s - 1) forwards first, each group of layers taking
-    `stages` micro-batches in turn, forwards from the first group, backwards from the last."""
+    """Stage s's work in order: (op, v, m), op on micro-batch m of its v-th group of layers (the
+    model's chunk v * stages + s; v is 0 but interleaved). GPipe: every forward, then every
+    backward. 1F1B: stages - s - 1 forwards to fill the pipeline, then a forward and a backward
+    in turn, so at most stages - s micro-batches wait for their backward on stage s. Zero-bubble:
+    1F1B's, INPUT_GRAD for BACKWARD (make_schedule places the WEIGHT_GRADs). Interleaved
+    (Megatron's, PyTorch's ScheduleInterleaved1F1B): (virtual - 1) * stages + 2 * (stages - s - 1)
+    forwards first, the groups taking `stages` micro-batches in turn, backwards from the last."""
     if kind == "gpipe":
-        forwards = [(FORWARD, 0, m) for m in range(microbatches)]
-        return forwards + [(BACKWARD, 0, m) for m in range(microbatches)]
-    backward = INPUT_GRAD if kind == "zero-bubble" else BACKWARD
-    if kind == "interleaved":
-        warmup = (virtual - 1) * stages + 2 * (stages - s - 1)
-    else:
-        warmup = stages - s - 1
-    total = virtual * microbatches  # forwards to run, and as many backwards
-    warmup = min(warmup, total)
-    # Per group: micro-batches given that op
-    done = {FORWARD: [0] * virtual, backward: [0] * virtual}
+        return [(op, 0, m) for op in (FORWARD, BACKWARD) for m in range(microbatches)]
+    total, back = virtual * microbatches, INPUT_GRAD if kind == "zero-bubble" else BACKWARD
+    warmup = min(total, (virtual - 1) * stages + (stages - s - 1) * (1 + (virtual > 1)))
 
     def nth(op, k):  # the k-th forward or backward: its group and micro-batch
-        v = (k // stages) % virtual
-        if op != FORWARD:  # backwards go through the groups from the last
-            v = virtual - 1 - v
-        done[op][v] += 1
-        return op, v, done[op][v] - 1
+        v, m = k // stages % virtual, k // (stages * virtual) * stages + k % stages
+        return op, v if op == FORWARD else virtual - 1 - v, m
 
     order = [nth(FORWARD, k) for k in range(warmup)]
     for k in range(total):
-        if k + warmup < total:
-            order.append(nth(FORWARD, k + warmup))
-        order.append(nth(backward, k))
+        order += [nth(FORWARD, k + warmup)] * (k + warmup < total) + [nth(back, k)]
     return order
 
 
 def make_schedule(kind, stages, microbatches, virtual=1):
     """The schedule as data: table[t, s] = (op, m, v, input slot, gradient slot, arriving input's
-    slot, arriving gradient's slot): at tick t stage s runs `op` (IDLE, FORWARD, BACKWARD,
-    INPUT_GRAD or WEIGHT_GRAD) on micro-batch m of its group of layers v, reading its input and
-    its output's gradient from those slots of its buffers (-1: none, the first group's input
-    being the tokens and the last's gradient the loss's), and at the end of the tick receives
-    an activation from the previous stage into slot `arriving input's` and a gradient from the
-    next stage into slot `arriving gradient's` (-1: none). The last stage's output goes to the
-    first stage, and the first stage's gradient to the last, when the model is interleaved.
+    slot, arriving gradient's slot): at tick t stage s runs `op` on micro-batch m of its group v,
+    reading its input and its output's gradient from those slots of its buffers (-1: none: the
+    first group reads the tokens, the last's gradient is the loss's), and at the end of the tick
+    receives an activation from the previous stage and a gradient from the next into the
+    arriving slots (-1: none); interleaved, the last stage sends on to the first, and back.
 
-    Each stage runs its operations in stage_order's order, each at the first tick its input is
-    there: a forward of m once the previous group's forward of m has run (at an earlier tick: it
-    arrives at the end of that tick), a backward once the next group's backward of m has run
-    (on the last group, its own forward). Zero-bubble (ZB-H1, Qi et al. 2023): a stage whose
-    next operation cannot run yet runs the oldest WEIGHT_GRAD it owes instead of idling, and
-    holds at most `stages` micro-batches between their forward and their WEIGHT_GRAD (1F1B's
-    most, on its first stage): before a forward beyond that, it pays a WEIGHT_GRAD. A slot is
-    free again once its micro-batch's last operation (BACKWARD, or WEIGHT_GRAD) has read it."""
-    chunks = stages * virtual  # chunk c = v * stages + s: stage s's group v
+    Each stage runs stage_order's operations in turn, each at the first tick its input is there:
+    a forward once the previous group's forward of m ran (at an earlier tick), a backward once
+    the next group's backward of m did (the last group's: its own forward). Zero-bubble (ZB-H1,
+    Qi et al. 2023): a stage that cannot run its next operation runs the oldest WEIGHT_GRAD it
+    owes instead of idling, and holds at most `stages` micro-batches between a forward and its
+    WEIGHT_GRAD (1F1B's most, on its first stage)."""
+    chunks = stages * virtual
     orders = [stage_order(kind, stages, microbatches, s, virtual) for s in range(stages)]
-    forward_at = np.full((chunks, microbatches), 1 << 30)  # the tick of each forward, once run
-    backward_at = np.full((chunks, microbatches), 1 << 30)  # of each BACKWARD or INPUT_GRAD
-    owed = [[] for _ in range(stages)]  # zero-bubble: the (v, m) whose WEIGHT_GRAD is to run
-    held = [0] * stages  # micro-batches past their forward and not past their last operation
-    # The most a stage may hold: a cap for zero-bubble only (the others never reach this one).
-    most = stages if kind == "zero-bubble" else virtual * microbatches
-
-    def next_operation(t, s, left, weights_owed, may_hold_more):
-        """What stage s runs at tick t: the next operation of its order if its input is there
-        (and, for a forward, if the stage may hold one more micro-batch); if not, the oldest
-        WEIGHT_GRAD it owes (zero-bubble); if none, nothing."""
-        op, v, m = left[0] if left else (IDLE, 0, -1)
-        c = v * stages + s
-        if op == FORWARD:
-            ready = (c == 0 or forward_at[c - 1, m] < t) and may_hold_more
-        elif op == IDLE:
-            ready = False
-        elif c == chunks - 1:  # the last group's backward follows its own forward
-            ready = forward_at[c, m] < t
-        else:  # a backward follows the next group's backward
-            ready = backward_at[c + 1, m] < t
-        if ready:
-            return op, v, m
-        if weights_owed:
-            return (WEIGHT_GRAD, *weights_owed[0])
-        return IDLE, 0, -1
-
-    position, rows = [0] * stages, []  # position: how far each stage is in its order
-    while any(position[s] < len(orders[s]) or owed[s] for s in range(stages)):
+    ran = {}  # (FORWARD or BACKWARD, chunk, m) -> the tick it ran at (INPUT_GRAD as BACKWARD)
+    owed, held, rows = [[] for _ in range(stages)], [0] * stages, []
+    most = stages if kind == "zero-bubble" else chunks * microbatches  # held, at most
+    while any(orders) or any(owed):
         t, row = len(rows), []
         for s in range(stages):
-            row.append(next_operation(t, s, orders[s][position[s] :], owed[s], held[s] < most))
-        for s, (op, v, m) in enumerate(row):
+            op, v, m = orders[s][0] if orders[s] else (IDLE, 0, -1)
             c = v * stages + s
-            if op == FORWARD:
-                forward_at[c, m] = t
-                held[s] += 1
-            if op in (BACKWARD, INPUT_GRAD):
-                backward_at[c, m] = t
-            if op == INPUT_GRAD:
-                owed[s].append((v, m))
-            if op == WEIGHT_GRAD:
-                owed[s].pop(0)
-            if op in (BACKWARD, WEIGHT_GRAD):  # the micro-batch's last operation on this stage
-                held[s] -= 1
+            # What it waits for: the previous group's forward, or the next group's backward (the
+            # last group's: its own forward)
+            after = (FORWARD, c - 1) if op == FORWARD else (FORWARD, c) if c == chunks - 1 else None
+            after = after or (BACKWARD, c + 1)
+            ready = op != IDLE and (op != FORWARD or held[s] < most)
+            if not (ready and (after[1] < 0 or ran.get((*after, m), t) < t)):
+                op, v, m = (WEIGHT_GRAD, *owed[s][0]) if owed[s] else (IDLE, 0, -1)  # or idles
             if op in (FORWARD, BACKWARD, INPUT_GRAD):  # an operation of its order: on to the next
-                position[s] += 1
+                ran[min(op, BACKWARD), v * stages + s, m] = t
+                orders[s].pop(0)
+            held[s] += (op == FORWARD) - (op in (BACKWARD, WEIGHT_GRAD))
+            owed[s] = owed[s][op == WEIGHT_GRAD :] + [(v, m)] * (op == INPUT_GRAD)
+            row.append((op, v, m))
         rows.append(row)
     return place_in_slots(rows, stages, virtual)
 
@@ -382,18 +291,15 @@ def show_schedule(kind, table):
 
 
 def stack_blocks(tree, virtual=1):
-    """block_0 ... block_{L-1} of a dict as one tree 'blocks' with two leading axes, the layers
-    in order as a grid of `virtual` rows of L / virtual: splitting the second axis over 'stage'
-    (P(None, 'stage')) gives stage s the rows' s-th pieces, its groups s, s + stages, ... of
-    L / (virtual * stages) layers (interleaved), or with one row one contiguous group."""
+    """block_0 ... block_{L-1} of a dict as one tree 'blocks' [virtual, L / virtual, ...]:
+    splitting the second axis over 'stage' (P(None, 'stage')) gives stage s its groups s,
+    s + stages, ... (interleaved), or with one row one contiguous group."""
     if not isinstance(tree, dict) or "block_0" not in tree:
         return tree
-    layers = [tree[f"block_{i}"] for i in range(sum(k.startswith("block_") for k in tree))]
     rest = {k: v for k, v in tree.items() if not k.startswith("block_")}
-    return {
-        **rest,
-        "blocks": jax.tree.map(lambda *x: jnp.stack(x).reshape(virtual, -1, *x[0].shape), *layers),
-    }
+    layers = [tree[f"block_{i}"] for i in range(len(tree) - len(rest))]
+    stack = lambda *x: jnp.stack(x).reshape(virtual, -1, *x[0].shape)  # noqa: E731
+    return {**rest, "blocks": jax.tree.map(stack, *layers)}
 
 
 def unstack_blocks(tree):
@@ -402,11 +308,8 @@ def unstack_blocks(tree):
         return tree
     blocks = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), tree["blocks"])  # one layer axis
     rest = {k: v for k, v in tree.items() if k != "blocks"}
-    layers = jax.tree.leaves(blocks)[0].shape[0]
-    return {
-        **rest,
-        **{f"block_{i}": jax.tree.map(lambda x, i=i: x[i], blocks) for i in range(layers)},
-    }
+    layers = range(jax.tree.leaves(blocks)[0].shape[0])
+    return {**rest, **{f"block_{i}": jax.tree.map(lambda x, i=i: x[i], blocks) for i in layers}}
 
 
 def every_dict(fn, tree):
@@ -420,23 +323,24 @@ def every_dict(fn, tree):
     return tree
 
 
-def to_saved(state):
-    """The checkpoint layout: every block on its own, as a run without a pipeline names it."""
-    unstack = functools.partial(every_dict, unstack_blocks)
-    return jax.jit(lambda s: s.replace(params=unstack(s.params), opt_state=unstack(s.opt_state)))(
+def relaid(fn, state, **jit):
+    """The state with fn applied to every dict of its parameters and optimizer state."""
+    each = functools.partial(every_dict, fn)
+    return jax.jit(lambda s: s.replace(params=each(s.params), opt_state=each(s.opt_state)), **jit)(
         state
     )
+
+
+def to_saved(state):
+    """The checkpoint layout: every block on its own, as a run without a pipeline names it."""
+    return relaid(unstack_blocks, state)
 
 
 def from_saved(saved, state):
     """A restored state, its blocks stacked again and laid out like `state`."""
     virtual = jax.tree.leaves(state.params["blocks"])[0].shape[0]
-    stack = functools.partial(every_dict, functools.partial(stack_blocks, virtual=virtual))
-    restack = jax.jit(
-        lambda s: s.replace(params=stack(s.params), opt_state=stack(s.opt_state)),
-        out_shardings=jax.tree.map(lambda x: x.sharding, state),
-    )
-    return restack(saved)
+    stack = functools.partial(stack_blocks, virtual=virtual)
+    return relaid(stack, saved, out_shardings=jax.tree.map(lambda x: x.sharding, state))
 
 
 def state_specs(tree, stages):
@@ -466,11 +370,9 @@ def gather_embed_and_head(params, specs):
     'stage'): the embedding for the first stage, the head for the last."""
 
     def gather(x, spec):
-        return (
-            lax.all_gather(x, "stage", axis=spec.index("stage"), tiled=True)
-            if "stage" in spec
-            else x
-        )
+        if "stage" not in spec:
+            return x
+        return lax.all_gather(x, "stage", axis=spec.index("stage"), tiled=True)
 
     return {k: v if k == "blocks" else jax.tree.map(gather, v, specs[k]) for k, v in params.items()}
 
@@ -488,16 +390,10 @@ def scatter_embed_and_head(grads, specs):
     return {k: v if k == "blocks" else jax.tree.map(scatter, v, specs[k]) for k, v in grads.items()}
 
 
-def stacked(config):
-    """How the pipeline holds the parameters: unboxed, the blocks stacked (common.create_state's
-    `hold`)."""
-    return lambda params: stack_blocks(params, config.virtual())
-
-
 def init_state(config, mesh, shapes_only=False):
-    create = functools.partial(
-        common.create_state, config, common.make_model(config), stacked(config)
-    )
+    # Held as the pipeline holds them: the blocks stacked (common.create_state's `hold`)
+    stacked = functools.partial(stack_blocks, virtual=config.virtual())
+    create = functools.partial(common.create_state, config, common.make_model(config), stacked)
     # Each device computes only its own pieces: the full model never exists on one device.
     specs = state_specs(jax.eval_shape(create), mesh.shape["stage"])
     create = jax.jit(
@@ -509,13 +405,10 @@ def init_state(config, mesh, shapes_only=False):
 
 def stage_forward(params, x, tokens, rng, config, v=0, deltas=None, head=True):
     """One stage's part of the model on one micro-batch, its group of layers v: the embedding
-    on the model's first group (in place of the input `x`), the group's blocks, and on the
-    model's last group (unless `head` is False) the head and the summed loss (0 elsewhere).
-    Returns the output activation and what this part adds to the loss (the summed loss, and a
-    mixture of experts' load-balancing loss from every group's blocks), then, for the metrics,
-    the summed loss alone and the blocks' sums, and the inputs of the blocks' dense layers: with
-    `deltas` (one per dense layer, [layers, its output's shape], zeros), each dense layer adds
-    its delta to its output and keeps its input (keep_dense), for zero-bubble's split backward."""
+    on the model's first group (in place of `x`), the group's blocks, and on its last (unless
+    `head` is False) the head and the summed loss. Returns (the output, what it adds to the loss:
+    that and a mixture's balancing loss), then, for the metrics, the summed loss and the blocks'
+    sums, and with `deltas` (zeros, one per dense layer) the dense layers' inputs (keep_dense)."""
     stage, stages = lax.axis_index("stage"), lax.axis_size("stage")
     virtual = jax.tree.leaves(params["blocks"])[0].shape[0]
     # Which group of the model's layers: 0 first, virtual * stages - 1 last
@@ -732,13 +625,10 @@ def pipeline_gradients(params, batch, rng, config, table):
 
         # The backward each op runs (none for IDLE and FORWARD): only the backwards the table
         # has are compiled, since XLA:CPU keeps each branch's temporaries apart.
-        if zero_bubble:  # the input's half, then the weights' from what it kept
-            backwards = {INPUT_GRAD: input_grad, WEIGHT_GRAD: weight_grad}
-        else:
-            backwards = {BACKWARD: backward}
+        backwards = {BACKWARD: backward}  # zero-bubble: the input's half, then the weights'
+        backwards = {INPUT_GRAD: input_grad, WEIGHT_GRAD: weight_grad} if zero_bubble else backwards
         branch = np.zeros(len(OPS), np.int32)  # op -> its branch of lax.switch, 0: no_backward
-        for i, kind in enumerate(backwards, 1):
-            branch[kind] = i
+        branch[list(backwards)] = np.arange(1, len(backwards) + 1)
 
         output = lax.cond(op == FORWARD, forward, lambda: jnp.zeros_like(activation))
         grad_params, grad_input, left, loss, more = lax.switch(

@@ -599,11 +599,6 @@ EQUIVALENT = {
     "same layouts",
     "pjit_tp.py:param_specs: set(names) <= {*config.mesh_axes(), None} -> set(names) < "
     "{*config.mesh_axes(), None}": "equal sets name every mesh axis, and then `whole` holds",
-    "pipeline.py:make_schedule: forward_at[c - 1, m] < t -> forward_at[c - 1, m] <= t": "a "
-    "tick's operations are recorded after all its stages chose: none is at t yet",
-    "pipeline.py:make_schedule: forward_at[c, m] < t -> forward_at[c, m] <= t": "the same",
-    "pipeline.py:make_schedule: backward_at[c + 1, m] < t -> backward_at[c + 1, m] <= t": "the "
-    "same",
     "pipeline.py:stage_forward: config.dropout > 0 -> config.dropout >= 0": "at rate 0 "
     "nnx.Dropout returns its input, given a key or not",
 }

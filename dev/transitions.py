@@ -7,10 +7,8 @@ Each excerpt sits between two markers in docs/transitions.md:
   <!-- end diff -->
 
 The first marker names two neighbouring scripts and the top-level definitions (functions,
-classes or assignments) to compare; this tool puts `diff -u` of their source in between. A
-marker `<!-- code SCRIPT: NAMES -->` ... `<!-- end code -->` gets those definitions whole: a
-branch's mechanism, which a diff shows only as added lines. So the excerpts are always the real
-code, and tests/test_docs.py fails when they are stale.
+classes or assignments) to compare; this tool puts `diff -u` of their source in between. So the
+excerpts are always the real code, and tests/test_docs.py fails when they are stale.
 
   python dev/transitions.py           # rewrite the excerpts
   python dev/transitions.py --check   # exit 1 if any excerpt differs from the scripts
@@ -26,8 +24,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "transitions.md"
 MARKER = re.compile(r"<!-- diff (\S+) (\S+): ([\w ]+) -->\n.*?<!-- end diff -->", re.DOTALL)
-# The mechanism a branch adds, whole: <!-- code pipeline.py: stage_forward --> ... <!-- end code -->
-CODE = re.compile(r"<!-- code (\S+): ([\w ]+) -->\n.*?<!-- end code -->", re.DOTALL)
 
 
 def definitions(path: Path, names: list) -> tuple:
@@ -65,16 +61,6 @@ def excerpt(match) -> str:
     )
 
 
-def code(match) -> str:
-    script, names = match.group(1), match.group(2).split()
-    missing = definitions(ROOT / script, names)[1]
-    # two blank lines between definitions, as in the scripts (ruff formats these blocks too)
-    source = "\n\n\n".join(definitions(ROOT / script, [name])[0] for name in names)
-    if missing:
-        raise SystemExit(f"{PAGE.name}: {script} defines no {', '.join(missing)}")
-    return f"<!-- code {script}: {' '.join(names)} -->\n```python\n{source}\n```\n<!-- end code -->"
-
-
 def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -84,7 +70,7 @@ def main():
     )
     args = parser.parse_args()
     readme = PAGE.read_text()
-    fresh = CODE.sub(code, MARKER.sub(excerpt, readme))
+    fresh = MARKER.sub(excerpt, readme)
     if args.check:
         if fresh != readme:
             sys.exit(

@@ -287,7 +287,7 @@ def test_command_line_reads_a_prepared_tfds_dataset(text_data_dir, tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--dataset", "no_such.txt"], "--dataset no_such.txt is not a file"),
+        (["--dataset", "no_such.txt"], "--dataset no_such.txt is neither 'synthetic', a file nor"),
         (["--dataset", "TFDS:no_such_dataset"], "--dataset no_such_dataset is neither in TFDS"),
         # CI reaches no internet: tiny_shakespeare is not prepared in an empty folder
         (

@@ -502,7 +502,7 @@ def test_a_text_file_trains(tmp_path):
     "content, message",
     [
         (b"too short\n" * 10, "input.txt is too short: its held-out split has 10 bytes"),
-        (None, "is not a file"),
+        (None, "input.txt is neither 'synthetic', a file nor a loader"),
     ],
 )
 def test_a_text_file_too_short_or_absent_is_one_line(
