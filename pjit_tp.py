@@ -110,27 +110,18 @@ class Config(common.Config):
             "splits what the model's activations name 'length' (common.constrain, as the GPT's "
             "blocks do), and this model names none: name them, e.g. --no-sequence-parallel",
         )
-        # Every parameter in PARAM_SPECS: all the ones missing named at once, with their entries
-        missing, whole = uncovered(self)
-        nameless = [f"{path} {shape}" for path, shape, spec in missing.values() if spec is None]
-        common.require(  # else P(), replicated, would be all the names could suggest
-            not nameless,
-            "model",
-            f"{self.model}: {', '.join(nameless[:3])}{', ...' * (len(nameless) > 3)} are in no "
-            "entry of pjit_tp.py's PARAM_SPECS and name no logical axes to suggest one from: "
-            "declare them with nnx.with_partitioning(init, names), e.g. ('embed', 'mlp')",
-        )
-        names = ", ".join(f"{path} {shape}" for path, shape, _ in missing.values())
+        # Every parameter in PARAM_SPECS, all the ones missing named at once (the blocks' as one)
+        specs, suggest = param_specs(self), f"tools/check.py --model {self.model} suggests entries"
+        suggest += " from their logical names, nnx.with_partitioning's"
+        missing = {
+            f"{re.sub(r'block_[0-9]+', 'block_N', path)} {box.value.shape}": 0
+            for path, box in common.logical_names(self)
+            if not any(re.search(pattern, path) for pattern, _ in specs)
+        }
+        are = f"{'are' if len(missing) > 1 else 'is'} in no entry of pjit_tp.py's PARAM_SPECS"
         common.require(
-            not missing,
-            "model",
-            f"{self.model}: {names} {'are' if len(missing) > 1 else 'is'} in no entry of "
-            "pjit_tp.py's PARAM_SPECS; their logical names suggest these entries (P() "
-            "replicates): "
-            + " ".join(f'(r"{pattern}", {spec}),' for pattern, (*_, spec) in missing.items())
-            + (f"; {whole[0]}" if whole else ""),
+            not missing, "model", f"{self.model}: {', '.join(missing)} {are} ({suggest})"
         )
-        specs = param_specs(self)
         jax.tree_util.tree_map_with_path(
             lambda path, leaf: state_spec(path, leaf, specs), common.model_shapes(self)
         )
@@ -138,8 +129,10 @@ class Config(common.Config):
         for path, box in common.logical_names(self):
             spec = next(spec for pattern, spec in specs if re.search(pattern, path))
             for axis, size in zip(spec, box.value.shape[-len(spec) :] if spec else (), strict=True):
-                whole = whole_axis(self, path, box, size)
-                common.require(axis != "model" or size % model == 0, "mesh", whole)
+                fits = max(m for m in (1, 2, 4) if size % m == 0 and n % m == 0 and kv % m == 0)
+                eg = f"e.g. --mesh data={n // fits},model={fits} (or P() in its entry: whole)"
+                uneven = f"model={model} does not divide the axis of {size} of {path}, {eg}"
+                common.require(axis != "model" or size % model == 0, "mesh", uneven)
 
 
 def make_mesh(config):
@@ -183,45 +176,6 @@ SEQUENCE_PARALLEL = (
     ("act_vocab", "model"),
     ("length", "model"),
 )
-
-
-def uncovered(config):
-    """{pattern: (path, shape, entry)} for each parameter no entry of PARAM_SPECS covers, the
-    blocks' taken together (block_N), with the spec its logical names suggest: Megatron's, the
-    heads, MLP units and vocabulary over 'model' where they split evenly; and a line for each
-    that does not, which its entry keeps whole."""
-    model, found, whole = config.mesh_axes()["model"], {}, []
-    for path, box in common.logical_names(config):
-        if not any(re.search(pattern, path) for pattern, _ in param_specs(config)):
-            pattern = re.escape(re.sub(r"^(block_\d+|blocks)/", "/", path)) + "$"
-            megatron = [(n in MEGATRON, s) for n, s in zip(box.names, box.value.shape, strict=True)]
-            axes = ["'model'" if m and s % model == 0 else "None" for m, s in megatron]
-            shape = tuple(box.value.shape)
-            whole += [
-                whole_axis(config, path, box, s)
-                for m, s in megatron
-                if m and s % model and pattern not in found
-            ]
-            entry = f"P({', '.join(axes)})" if "'model'" in axes else "P()"
-            entry = entry if box.declared else None  # no names: no entry to suggest
-            found.setdefault(pattern, (re.sub(r"block_\d+", "block_N", path), shape, entry))
-    return found, whole
-
-
-def whole_axis(config, path, box, size):
-    """A parameter's axis of `size` that 'model' does not divide: what would split it, and what
-    keeping it whole costs."""
-    model, n, kv = config.mesh_axes()["model"], jax.device_count(), config.kv_heads or config.heads
-    fits = max(m for m in (1, 2, 4) if size % m == 0 and n % m == 0 and kv % m == 0)
-    return (
-        f"{path} {tuple(box.value.shape)}: model={model} does not divide its axis of {size}: give "
-        f"it a size {model} divides ({-(-size // model) * model}) or a mesh whose 'model' does, "
-        f"e.g. --mesh data={n // fits},model={fits}; whole (P()), every device holds all "
-        f"{box.value.size * 4:,} bytes of it ({model}x a split one's)"
-    )
-
-
-MEGATRON = ("heads", "kv_heads", "mlp", "vocab")  # the logical axes split over 'model'
 
 
 def param_specs(config):

@@ -28,7 +28,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import common
-from tools import hlo
+from tools import check, hlo
 import expert_parallel
 import fsdp
 import logical_pjit
@@ -383,11 +383,11 @@ def test_the_tpus_ragged_all_to_all_matches(name, monkeypatch):
 # tests/llama.py under pjit_tp.py's table against one device (test_the_sequence_splits_...).
 @pytest.mark.full
 def test_pjit_tp_s_suggested_entries_train_a_new_model_and_match(monkeypatch):
-    """pjit_tp.py names every parameter its table misses, with the entries their logical names
-    suggest (tests/test_your_model.py checks the message); pasted, they train tests/llama.py as
-    one device does."""
+    """pjit_tp.py names every parameter its table misses, and tools/check.py the entries their
+    logical names suggest (tests/test_your_model.py checks the messages); pasted, they train
+    tests/llama.py as one device does."""
     llama = {"model": "tests.llama"}
-    missing, whole = pjit_tp.uncovered(pjit_tp.Config(**{**SMALL, **llama}))
+    missing, whole = check.suggested_entries(pjit_tp.Config(**{**SMALL, **llama}))
     assert not whole  # every axis its names split, split evenly
     assert len(missing) == 9  # 7 per block, taken together, and the final norm
     entries = tuple((pattern, eval(spec, {"P": P})) for pattern, (*_, spec) in missing.items())
@@ -515,7 +515,7 @@ DOCS = {"model": "tests.docs_model", "kv_heads": 2}
 def test_a_model_written_whole_matches(name, monkeypatch):
     """tests/docs_model.py, cut at its blocks (common.cut_at_blocks), through every script and
     preset (pjit_tp.py with the entries it suggests), against one device training it."""
-    missing, _ = pjit_tp.uncovered(pjit_tp.Config(**{**SMALL, **DOCS}))
+    missing, _ = check.suggested_entries(pjit_tp.Config(**{**SMALL, **DOCS}))
     entries = tuple((pattern, eval(spec, {"P": P})) for pattern, (*_, spec) in missing.items())
     monkeypatch.setattr(pjit_tp, "PARAM_SPECS", entries + pjit_tp.PARAM_SPECS)
     compare(name, run_uncached(name, **DOCS), reference(**DOCS, **model_flags(name)), DOCS)

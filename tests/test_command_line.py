@@ -118,9 +118,8 @@ BAD_INPUTS = [
     (
         ["--mlp-dim", "98", "--mesh", "data=2,model=4"],
         ("pjit_tp",),
-        "block_0/mlp/fc1/bias (98,): model=4 does not divide its axis of 98: give it a size 4 "
-        "divides (100) or a mesh whose 'model' does, e.g. --mesh data=4,model=2; whole (P()), "
-        "every device holds all 392 bytes of it (4x a split one's)",
+        "model=4 does not divide the axis of 98 of block_0/mlp/fc1/bias, e.g. --mesh "
+        "data=4,model=2 (or P() in its entry: whole)",
     ),
     (
         ["--mlp-dim", "98", "--mesh", "data=2,model=4"],

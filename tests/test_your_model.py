@@ -57,15 +57,23 @@ def test_a_copied_script_trains_a_model_file_unchanged(script, tmp_path):
 
 
 def test_pjit_tp_trains_a_model_file_with_its_table_entries(tmp_path):
-    """pjit_tp.py needs what its contract asks, the new parameters' entries in PARAM_SPECS
-    (five lines, as tests/harness.LLAMA_SPECS), and splits them as they say."""
+    """pjit_tp.py needs what its contract asks, the new parameters' entries in PARAM_SPECS: it
+    names every one missing in one line (before: one per run, 11 runs) and tools/check.py, which
+    suggests the entries from their logical names (five lines, as tests/harness.LLAMA_SPECS);
+    pasted, they split the parameters as they say."""
     done = run_with_llama("pjit_tp", tmp_path)
-    # Every one of them in one line (before: one per run, 11 runs), with the entries to paste
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
-    assert "are in no entry of pjit_tp.py's PARAM_SPECS" in done.stderr, done.stderr
-    for name in ("attn_norm/scale", "q/kernel", "kv/kernel", "o/kernel", "gate/kernel"):
-        assert f"block_N/{name}" in done.stderr and f'(r"/{name}$", P(' in done.stderr
-    assert "head/norm/scale (32,)" in done.stderr and '(r"head/norm/scale$", P()),' in done.stderr
+    said = "are in no entry of pjit_tp.py's PARAM_SPECS (tools/check.py --model llama.py suggests "
+    assert said in done.stderr and "head/norm/scale (32,)" in done.stderr, done.stderr
+    names = ("attn_norm/scale", "q/kernel", "kv/kernel", "o/kernel", "gate/kernel")
+    assert all(f"block_N/{name}" in done.stderr for name in names), done.stderr
+    tool = [sys.executable, str(ROOT / "tools" / "check.py"), "--model", "llama.py", *TINY]
+    done = subprocess.run(
+        [*tool, "--scripts", "pjit_tp"], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.returncode == 2 and "pjit_tp.py refuses it: " in done.stderr, done.stderr
+    assert all(f'(r"/{name}$", P(' in done.stderr for name in names), done.stderr
+    assert '(r"head/norm/scale$", P()),' in done.stderr, done.stderr
     script = (tmp_path / "pjit_tp.py").read_text()
     entries = (
         '    (r"/(q|gate|up)/kernel", P(None, "model")),\n'
@@ -86,12 +94,13 @@ def test_pjit_tp_trains_a_model_file_with_its_table_entries(tmp_path):
 
 
 def test_pjit_tp_says_what_a_suggested_entry_keeps_whole(tmp_path):
-    """An MLP width that model=4 does not divide: the entries suggested keep it whole, and the
-    line says so, with what would split it and what whole costs (not a silent replication)."""
+    """An MLP width that model=4 does not divide: the entries tools/check.py suggests keep it
+    whole, and its line says so, with what would split it and what whole costs (not a silent
+    replication)."""
     wide = ("hidden = 8 * c.d_model // 3 // 16 * 16 or 16", "hidden = 98")
     (tmp_path / "wide.py").write_text(broken(wide))
     model = {"model": str(tmp_path / "wide.py"), "mesh": "data=2,model=4"}
-    missing, whole = pjit_tp.uncovered(pjit_tp.Config(**{**SMALL, **model}))
+    missing, whole = check.suggested_entries(pjit_tp.Config(**{**SMALL, **model}))
     assert missing[r"/gate/kernel$"][2] == missing[r"/down/kernel$"][2] == "P()"
     assert (
         "block_0/gate/kernel (64, 98): model=4 does not divide its axis of 98: give it a size 4 "

@@ -21,6 +21,7 @@ import dataclasses
 import importlib
 import io
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -237,10 +238,58 @@ def check_scripts(config: Config) -> list:
                 why = (
                     said.getvalue().strip().split(": error: ", 1)[-1].removesuffix(" (see --help)")
                 )
+                if name == "pjit_tp" and "PARAM_SPECS" in why:  # the entries to paste
+                    why = why.split(" (tools/check.py")[0] + suggestions(module.Config(**flags))
                 raise ConfigError(f"{name}.py refuses it: {why}") from None
     finally:
         common.compile_step = compile_step
     return traced
+
+
+MEGATRON = ("heads", "kv_heads", "mlp", "vocab")  # the logical axes split over 'model'
+
+
+def suggested_entries(config) -> tuple:
+    """pjit_tp.py's PARAM_SPECS entries for what no entry covers: {pattern: (path, shape, entry)}
+    (the blocks' taken together, block_N), Megatron's from the logical names (the heads, MLP
+    units and vocabulary over 'model' where they split evenly; None: no names to go by); and a
+    line for each axis 'model' does not divide, which its entry keeps whole."""
+    import pjit_tp
+
+    model, found, whole = config.mesh_axes()["model"], {}, []
+    n, kv = jax.device_count(), config.kv_heads or config.heads
+    for path, box in common.logical_names(config):
+        if any(re.search(pattern, path) for pattern, _ in pjit_tp.param_specs(config)):
+            continue
+        pattern, shape = (
+            re.escape(re.sub(r"^(block_\d+|blocks)/", "/", path)) + "$",
+            box.value.shape,
+        )
+        megatron = [(name in MEGATRON, size) for name, size in zip(box.names, shape, strict=True)]
+        axes = ["'model'" if m and size % model == 0 else "None" for m, size in megatron]
+        for size in [s for m, s in megatron if m and s % model and pattern not in found]:
+            fits = max(m for m in (1, 2, 4) if size % m == 0 and n % m == 0 and kv % m == 0)
+            whole.append(
+                f"{path} {tuple(shape)}: model={model} does not divide its axis of {size}: give "
+                f"it a size {model} divides ({-(-size // model) * model}) or a mesh whose 'model' "
+                f"does, e.g. --mesh data={n // fits},model={fits}; whole (P()), every device "
+                f"holds all {box.value.size * 4:,} bytes of it ({model}x a split one's)"
+            )
+        entry = (f"P({', '.join(axes)})" if "'model'" in axes else "P()") if box.declared else None
+        found.setdefault(pattern, (re.sub(r"block_\d+", "block_N", path), tuple(shape), entry))
+    return found, whole
+
+
+def suggestions(config) -> str:
+    """suggested_entries as the end of pjit_tp.py's refusal: what to paste, what it keeps
+    whole, and the parameters that name no axes to go by."""
+    missing, whole = suggested_entries(config)
+    entries = [f'(r"{pattern}", {spec}),' for pattern, (*_, spec) in missing.items() if spec]
+    nameless = [path for path, _, spec in missing.values() if spec is None]
+    line = "; their logical names suggest (P() replicates): " + " ".join(entries) if entries else ""
+    line += f"; {whole[0]}" if whole else ""
+    declare = "name no axes: declare them with nnx.with_partitioning(init, names), e.g. ('embed',"
+    return line + f"; {', '.join(nameless)} {declare} 'mlp')" * bool(nameless)
 
 
 PIECE = {"embed": "Embed", "block": "Block", "head": "Head"}
