@@ -113,105 +113,7 @@ class Config(common.Config):
     def validate(self):
         common.require(self.rules in RULES, "rules", f"must be one of {', '.join(RULES)}")
         super().validate()
-        n, kv = jax.device_count(), self.kv_heads or self.heads
-        wrote = f"--kv-heads {kv}" if self.kv_heads else f"--heads {kv}"
-        common.require(  # auto splits the heads over 'model', or says why it cannot
-            self.mesh != "auto"
-            or self.auto_mesh()["model"] > 1
-            or n < 4
-            or n % 2
-            or "heads" not in dict(RULES[self.rules]),
-            "mesh",
-            f"auto puts no device on 'model' (no tensor parallelism): 2 does not divide {wrote}; "
-            f"make them even, or run without it, e.g. --mesh data={n},model=1",
-        )
-        common.require(
-            (self.kv_heads or self.heads) % self.axis_size("heads") == 0,
-            "mesh",
-            f"splits 'heads' {self.axis_size('heads')} ways under --rules {self.rules}, which does "
-            f"not divide the {self.kv_heads or self.heads} key-value heads; {self.example()}",
-        )
-        # Every parameter names its axes: the rules lay out by name (unnamed, it would replicate)
-        boxes = common.logical_names(self)
-        whole = common.names_mesh_axes(self, self.mesh_axes())  # the rest: as Flax places them
-        nameless = [f"{p} {box.value.shape}" for p, box in boxes if not box.declared and not whole]
-        common.require(
-            not nameless,
-            "model",
-            f"{self.model}: {', '.join(nameless[:3])}{', ...' * (len(nameless) > 3)} name no "
-            "logical axes for the rules to lay out: declare them with nnx.with_partitioning(init, "
-            "names), e.g. ('embed', 'mlp')",
-        )
-        # Every axis name the rules and UNSPLIT do not know, at once (the first parameter of each)
-        ruled, unknown = dict(RULES[self.rules]), {}
-        for path, box in boxes:
-            for name in set(box.names) - {*ruled, *UNSPLIT, *self.mesh_axes(), None}:
-                unknown.setdefault(name, f"{path} {box.value.shape}")
-        common.require(
-            not unknown,
-            "rules",
-            f"{self.rules} has no rule for the axes "
-            + ", ".join(f"'{name}' (of {where})" for name, where in unknown.items())
-            + ", and UNSPLIT does not name them: add a rule for each to RULES (e.g. "
-            f'("{next(iter(unknown), "")}", "model")), or add them to UNSPLIT to keep them '
-            f"whole: {', '.join(map(repr, unknown))}",
-        )
-        sequence = dict(RULES[self.rules]).get("length")  # tp_sp: the sequence over 'model'
-        own = [path for path, box in boxes if sequence and sequence in box.names]
-        common.require(
-            not sequence or common.splits_sequence(self, RULES[self.rules]),
-            "rules",
-            f"{self.rules} splits what the model's activations name 'length' (common.constrain, "
-            "as the GPT's blocks do), and this model names none: name them, or e.g. --rules tp",
-        )
-        common.require(
-            not own,
-            "rules",
-            f"{self.rules} splits the sequence over '{sequence}' between the matmuls, where the "
-            f"model splits {', '.join(own[:2])} over '{sequence}' itself: e.g. --rules tp",
-        )
-        common.require(
-            self.seq_len % self.axis_size("length") == 0,
-            "seq_len",
-            f"{self.seq_len} under --rules {self.rules}: split {self.axis_size('length')} ways "
-            f"along the sequence, it must be a multiple of that, e.g. --seq-len "
-            f"{self.axis_size('length') * max(1, self.seq_len // self.axis_size('length'))}",
-        )
-        for path, box in common.logical_names(self):
-            for name, size in zip(box.names, box.value.shape, strict=True):
-                if size % self.axis_size(name):  # --d-model, if it is the GPT's width
-                    gpt = (name, size) == ("embed", self.d_model)
-                    common.require(
-                        False,
-                        "mesh",
-                        f"splits '{name}' {self.axis_size(name)} ways under --rules {self.rules}, "
-                        f"which does not divide its size {size} in {path}; "
-                        + (self.example() if gpt else self.split_or_keep(name, size, box)),
-                    )
-
-    def split_or_keep(self, name, size, box):
-        """What would split a parameter's axis evenly, and what keeping it whole would cost."""
-        split, n, kv = self.axis_size(name), jax.device_count(), self.kv_heads or self.heads
-        fits = max(m for m in (1, 2, 4) if size % m == 0 and n % m == 0 and kv % m == 0)
-        return (
-            f"give it a size {split} divides ({-(-size // split) * split}) or a mesh that does, "
-            f"e.g. --mesh data={n // fits},model={fits}; kept whole (its axis in UNSPLIT), every "
-            f"device holds all {box.value.size * 4:,} bytes of it"
-        )
-
-    def example(self):
-        """A valid --kv-heads or --heads, or else --d-model, for these rules and this mesh."""
-        split = self.axis_size("heads")
-        groups = [k for k in range(split, self.heads + 1, split) if self.heads % k == 0]
-        if self.kv_heads and self.kv_heads % split and groups:
-            return f"e.g. --kv-heads {groups[0]}"
-        if self.heads % split:  # and key-value heads that divide them, if given
-            heads = [h for h in range(split, self.d_model + 1, split) if self.d_model % h == 0]
-            eg = f"--heads {heads[0]}" if heads else f"--heads {split} --d-model {split * 32}"
-            return f"e.g. {eg}" + f" --kv-heads {split}" * bool(self.kv_heads)
-        for d_model in range(self.d_model, 16 * self.d_model + 1):
-            if d_model % self.heads == 0 and d_model % self.axis_size("embed") == 0:
-                return f"e.g. --d-model {d_model}"
+        check_layout(self)  # the layout's checks: at the end of this file, before main()
 
 
 def make_mesh(config):
@@ -261,6 +163,111 @@ def batch_sharding(mesh, rules):
 def device_batch(batch, mesh, rules):
     # This process's rows become one global array, split as the rules split 'batch'.
     return jax.make_array_from_process_local_data(batch_sharding(mesh, rules), batch)
+
+
+def check_layout(config):
+    """The flags against the mesh and the model's parameters (Config.validate's, at the end)."""
+    n, kv = jax.device_count(), config.kv_heads or config.heads
+    wrote = f"--kv-heads {kv}" if config.kv_heads else f"--heads {kv}"
+    common.require(  # auto splits the heads over 'model', or says why it cannot
+        config.mesh != "auto"
+        or config.auto_mesh()["model"] > 1
+        or n < 4
+        or n % 2
+        or "heads" not in dict(RULES[config.rules]),
+        "mesh",
+        f"auto puts no device on 'model' (no tensor parallelism): 2 does not divide {wrote}; "
+        f"make them even, or run without it, e.g. --mesh data={n},model=1",
+    )
+    common.require(
+        (config.kv_heads or config.heads) % config.axis_size("heads") == 0,
+        "mesh",
+        f"splits 'heads' {config.axis_size('heads')} ways under --rules {config.rules}, which does "
+        f"not divide the {config.kv_heads or config.heads} key-value heads; {example(config)}",
+    )
+    # Every parameter names its axes: the rules lay out by name (unnamed, it would replicate)
+    boxes = common.logical_names(config)
+    whole = common.names_mesh_axes(config, config.mesh_axes())  # the rest: as Flax places them
+    nameless = [f"{p} {box.value.shape}" for p, box in boxes if not box.declared and not whole]
+    common.require(
+        not nameless,
+        "model",
+        f"{config.model}: {', '.join(nameless[:3])}{', ...' * (len(nameless) > 3)} name no "
+        "logical axes for the rules to lay out: declare them with nnx.with_partitioning(init, "
+        "names), e.g. ('embed', 'mlp')",
+    )
+    # Every axis name the rules and UNSPLIT do not know, at once (the first parameter of each)
+    ruled, unknown = dict(RULES[config.rules]), {}
+    for path, box in boxes:
+        for name in set(box.names) - {*ruled, *UNSPLIT, *config.mesh_axes(), None}:
+            unknown.setdefault(name, f"{path} {box.value.shape}")
+    common.require(
+        not unknown,
+        "rules",
+        f"{config.rules} has no rule for the axes "
+        + ", ".join(f"'{name}' (of {where})" for name, where in unknown.items())
+        + ", and UNSPLIT does not name them: add a rule for each to RULES (e.g. "
+        f'("{next(iter(unknown), "")}", "model")), or add them to UNSPLIT to keep them '
+        f"whole: {', '.join(map(repr, unknown))}",
+    )
+    sequence = dict(RULES[config.rules]).get("length")  # tp_sp: the sequence over 'model'
+    own = [path for path, box in boxes if sequence and sequence in box.names]
+    common.require(
+        not sequence or common.splits_sequence(config, RULES[config.rules]),
+        "rules",
+        f"{config.rules} splits what the model's activations name 'length' (common.constrain, "
+        "as the GPT's blocks do), and this model names none: name them, or e.g. --rules tp",
+    )
+    common.require(
+        not own,
+        "rules",
+        f"{config.rules} splits the sequence over '{sequence}' between the matmuls, where the "
+        f"model splits {', '.join(own[:2])} over '{sequence}' itself: e.g. --rules tp",
+    )
+    common.require(
+        config.seq_len % config.axis_size("length") == 0,
+        "seq_len",
+        f"{config.seq_len} under --rules {config.rules}: split {config.axis_size('length')} ways "
+        f"along the sequence, it must be a multiple of that, e.g. --seq-len "
+        f"{config.axis_size('length') * max(1, config.seq_len // config.axis_size('length'))}",
+    )
+    for path, box in common.logical_names(config):
+        for name, size in zip(box.names, box.value.shape, strict=True):
+            if size % config.axis_size(name):  # --d-model, if it is the GPT's width
+                gpt = (name, size) == ("embed", config.d_model)
+                common.require(
+                    False,
+                    "mesh",
+                    f"splits '{name}' {config.axis_size(name)} ways under --rules {config.rules}, "
+                    f"which does not divide its size {size} in {path}; "
+                    + (example(config) if gpt else split_or_keep(config, name, size, box)),
+                )
+
+
+def split_or_keep(config, name, size, box):
+    """What would split a parameter's axis evenly, and what keeping it whole would cost."""
+    split, n, kv = config.axis_size(name), jax.device_count(), config.kv_heads or config.heads
+    fits = max(m for m in (1, 2, 4) if size % m == 0 and n % m == 0 and kv % m == 0)
+    return (
+        f"give it a size {split} divides ({-(-size // split) * split}) or a mesh that does, "
+        f"e.g. --mesh data={n // fits},model={fits}; kept whole (its axis in UNSPLIT), every "
+        f"device holds all {box.value.size * 4:,} bytes of it"
+    )
+
+
+def example(config):
+    """A valid --kv-heads or --heads, or else --d-model, for these rules and this mesh."""
+    split = config.axis_size("heads")
+    groups = [k for k in range(split, config.heads + 1, split) if config.heads % k == 0]
+    if config.kv_heads and config.kv_heads % split and groups:
+        return f"e.g. --kv-heads {groups[0]}"
+    if config.heads % split:  # and key-value heads that divide them, if given
+        heads = [h for h in range(split, config.d_model + 1, split) if config.d_model % h == 0]
+        eg = f"--heads {heads[0]}" if heads else f"--heads {split} --d-model {split * 32}"
+        return f"e.g. {eg}" + f" --kv-heads {split}" * bool(config.kv_heads)
+    for d_model in range(config.d_model, 16 * config.d_model + 1):
+        if d_model % config.heads == 0 and d_model % config.axis_size("embed") == 0:
+            return f"e.g. --d-model {d_model}"
 
 
 def main(config):

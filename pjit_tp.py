@@ -82,57 +82,7 @@ class Config(common.Config):
 
     def validate(self):
         super().validate()
-        n, kv = jax.device_count(), self.kv_heads or self.heads
-        wrote = f"--kv-heads {kv}" if self.kv_heads else f"--heads {kv}"
-        common.require(  # auto splits the heads over 'model', or says why it cannot
-            self.mesh != "auto" or self.auto_mesh()["model"] > 1 or n < 4 or n % 2,
-            "mesh",
-            f"auto puts no device on 'model' (no tensor parallelism): 2 does not divide {wrote}; "
-            f"make them even, or run without it, e.g. --mesh data={n},model=1",
-        )
-        model, auto = self.mesh_axes()["model"], self.auto_mesh()
-        common.require(
-            kv % model == 0,
-            "mesh",
-            f"model={model} must divide the {kv} key-value heads (each device holds whole ones), "
-            f"e.g. --mesh data={auto['data']},model={auto['model']}",
-        )
-        common.require(
-            not self.sequence_parallel or self.seq_len % model == 0,
-            "seq_len",
-            f"{self.seq_len} under --sequence-parallel: split along the sequence over "
-            f"model={model}, it must be a multiple of it, e.g. --seq-len "
-            f"{model * max(1, self.seq_len // model)}",
-        )
-        common.require(
-            not self.sequence_parallel or common.splits_sequence(self, SEQUENCE_PARALLEL),
-            "sequence_parallel",
-            "splits what the model's activations name 'length' (common.constrain, as the GPT's "
-            "blocks do), and this model names none: name them, e.g. --no-sequence-parallel",
-        )
-        # Every parameter in PARAM_SPECS, all the ones missing named at once (the blocks' as one)
-        specs, suggest = param_specs(self), f"tools/check.py --model {self.model} suggests entries"
-        suggest += " from their logical names, nnx.with_partitioning's"
-        missing = {
-            f"{re.sub(r'block_[0-9]+', 'block_N', path)} {box.value.shape}": 0
-            for path, box in common.logical_names(self)
-            if not any(re.search(pattern, path) for pattern, _ in specs)
-        }
-        are = f"{'are' if len(missing) > 1 else 'is'} in no entry of pjit_tp.py's PARAM_SPECS"
-        common.require(
-            not missing, "model", f"{self.model}: {', '.join(missing)} {are} ({suggest})"
-        )
-        jax.tree_util.tree_map_with_path(
-            lambda path, leaf: state_spec(path, leaf, specs), common.model_shapes(self)
-        )
-        # Every axis an entry splits over 'model' splits evenly
-        for path, box in common.logical_names(self):
-            spec = next(spec for pattern, spec in specs if re.search(pattern, path))
-            for axis, size in zip(spec, box.value.shape[-len(spec) :] if spec else (), strict=True):
-                fits = max(m for m in (1, 2, 4) if size % m == 0 and n % m == 0 and kv % m == 0)
-                eg = f"e.g. --mesh data={n // fits},model={fits} (or P() in its entry: whole)"
-                uneven = f"model={model} does not divide the axis of {size} of {path}, {eg}"
-                common.require(axis != "model" or size % model == 0, "mesh", uneven)
+        check_layout(self)  # the layout's checks: at the end of this file, before main()
 
 
 def make_mesh(config):
@@ -240,6 +190,59 @@ def eval_step(state, batch):
 def device_batch(batch, mesh):
     # This process's rows become one global array, split over 'data'.
     return jax.make_array_from_process_local_data(NamedSharding(mesh, BATCH_SPEC), batch)
+
+
+def check_layout(config):
+    """The flags against the mesh and the model's parameters (Config.validate's, at the end)."""
+    n, kv = jax.device_count(), config.kv_heads or config.heads
+    wrote = f"--kv-heads {kv}" if config.kv_heads else f"--heads {kv}"
+    common.require(  # auto splits the heads over 'model', or says why it cannot
+        config.mesh != "auto" or config.auto_mesh()["model"] > 1 or n < 4 or n % 2,
+        "mesh",
+        f"auto puts no device on 'model' (no tensor parallelism): 2 does not divide {wrote}; "
+        f"make them even, or run without it, e.g. --mesh data={n},model=1",
+    )
+    model, auto = config.mesh_axes()["model"], config.auto_mesh()
+    common.require(
+        kv % model == 0,
+        "mesh",
+        f"model={model} must divide the {kv} key-value heads (each device holds whole ones), "
+        f"e.g. --mesh data={auto['data']},model={auto['model']}",
+    )
+    common.require(
+        not config.sequence_parallel or config.seq_len % model == 0,
+        "seq_len",
+        f"{config.seq_len} under --sequence-parallel: split along the sequence over "
+        f"model={model}, it must be a multiple of it, e.g. --seq-len "
+        f"{model * max(1, config.seq_len // model)}",
+    )
+    common.require(
+        not config.sequence_parallel or common.splits_sequence(config, SEQUENCE_PARALLEL),
+        "sequence_parallel",
+        "splits what the model's activations name 'length' (common.constrain, as the GPT's "
+        "blocks do), and this model names none: name them, e.g. --no-sequence-parallel",
+    )
+    # Every parameter in PARAM_SPECS, all the ones missing named at once (the blocks' as one)
+    specs, suggest = param_specs(config), f"tools/check.py --model {config.model} suggests entries"
+    suggest += " from their logical names, nnx.with_partitioning's"
+    missing = {
+        f"{re.sub(r'block_[0-9]+', 'block_N', path)} {box.value.shape}": 0
+        for path, box in common.logical_names(config)
+        if not any(re.search(pattern, path) for pattern, _ in specs)
+    }
+    are = f"{'are' if len(missing) > 1 else 'is'} in no entry of pjit_tp.py's PARAM_SPECS"
+    common.require(not missing, "model", f"{config.model}: {', '.join(missing)} {are} ({suggest})")
+    jax.tree_util.tree_map_with_path(
+        lambda path, leaf: state_spec(path, leaf, specs), common.model_shapes(config)
+    )
+    # Every axis an entry splits over 'model' splits evenly
+    for path, box in common.logical_names(config):
+        spec = next(spec for pattern, spec in specs if re.search(pattern, path))
+        for axis, size in zip(spec, box.value.shape[-len(spec) :] if spec else (), strict=True):
+            fits = max(m for m in (1, 2, 4) if size % m == 0 and n % m == 0 and kv % m == 0)
+            eg = f"e.g. --mesh data={n // fits},model={fits} (or P() in its entry: whole)"
+            uneven = f"model={model} does not divide the axis of {size} of {path}, {eg}"
+            common.require(axis != "model" or size % model == 0, "mesh", uneven)
 
 
 def main(config):
