@@ -62,9 +62,9 @@ SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved")
 @dataclasses.dataclass(frozen=True)
 class Config(common.Config):
     mesh: str = common.arg("auto", "mesh axis sizes, e.g. data=2,stage=4 (auto on 8 devices)")
-    schedule: str = common.arg("1f1b", "the forwards' and backwards' order", choices=SCHEDULES)
-    microbatches: int = common.arg(8, "micro-batches a step, through the pipeline (a data shard's)")
-    virtual_stages: int = common.arg(2, "interleaved: groups of layers a stage (s, s + stages...)")
+    schedule: str = common.arg("1f1b", "the micro-batches' order of work", choices=SCHEDULES)
+    microbatches: int = common.arg(8, "micro-batches per step and data shard, through the stages")
+    virtual_stages: int = common.arg(2, "--schedule interleaved: groups of layers per stage")
     show_schedule: bool = common.arg(False, "print the schedule's ticks and exit, training nothing")
 
     def virtual(self):
