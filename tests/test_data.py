@@ -289,6 +289,10 @@ def test_command_line_reads_a_prepared_tfds_dataset(text_data_dir, tmp_path):
     [
         (["--dataset", "no_such.txt"], "--dataset no_such.txt is neither 'synthetic', a file nor"),
         (["--dataset", "TFDS:no_such_dataset"], "--dataset no_such_dataset is neither in TFDS"),
+        (
+            ["--dataset", "TFDS:"],
+            "tfds_text.py: names no TFDS dataset after a colon, e.g. --dataset",
+        ),
         # CI reaches no internet: tiny_shakespeare is not prepared in an empty folder
         (
             ["--dataset", "TFDS:tiny_shakespeare", "--data-dir", "EMPTY"],
@@ -298,7 +302,7 @@ def test_command_line_reads_a_prepared_tfds_dataset(text_data_dir, tmp_path):
         (["--dataset", "TFDS:empty_text"], "tfds_text.py:empty_text is too short"),
         (["--dataset", "TFDS:tiny_text", "--vocab-size", "512"], "--vocab-size must be 256"),
     ],
-    ids=["no file", "unknown", "not prepared", "all texts empty", "not bytes"],
+    ids=["no file", "unknown", "no name", "not prepared", "all texts empty", "not bytes"],
 )
 def test_bad_dataset_exits_2_with_one_line(flags, message, text_data_dir, tmp_path):
     (tmp_path / "empty").mkdir()

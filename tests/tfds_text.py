@@ -26,10 +26,11 @@ def __getattr__(name: str):
 
 
 def _builder(config, **options):
-    name = config.dataset.partition(":")[2]
+    name, eg = config.dataset.partition(":")[2], "e.g. --dataset tests/tfds_text.py:tiny_text"
+    common.require(name, "dataset", f"{config.dataset} names no TFDS dataset after a colon, {eg}")
     try:
         return tfds.builder(name, data_dir=config.data_dir, **options)
-    except tfds.core.registered.DatasetNotFoundError:
+    except (tfds.core.registered.DatasetNotFoundError, ValueError):  # ValueError: no name's form
         no = f"{name} is neither in TFDS's catalogue nor prepared in --data-dir {config.data_dir}"
         raise common.ConfigError(f"--dataset {no}, e.g. --dataset synthetic") from None
 
