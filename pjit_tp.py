@@ -225,11 +225,11 @@ def check_layout(config):
     # Every parameter in PARAM_SPECS, all the ones missing named at once (the blocks' as one)
     specs, suggest = param_specs(config), f"tools/check.py --model {config.model} suggests entries"
     suggest += " from their logical names, nnx.with_partitioning's"
-    missing = {
-        f"{re.sub(r'block_[0-9]+', 'block_N', path)} {box.value.shape}": 0
+    missing = dict.fromkeys(  # in order, once each
+        f"{re.sub(r'block_[0-9]+', 'block_N', path)} {box.value.shape}"
         for path, box in common.logical_names(config)
         if not any(re.search(pattern, path) for pattern, _ in specs)
-    }
+    )
     are = f"{'are' if len(missing) > 1 else 'is'} in no entry of pjit_tp.py's PARAM_SPECS"
     common.require(not missing, "model", f"{config.model}: {', '.join(missing)} {are} ({suggest})")
     jax.tree_util.tree_map_with_path(
