@@ -73,9 +73,9 @@ def table(records: list) -> str:
         if r["test"] in TESTS:
             cells[(r["strategy"], model_of(r), dtype)] = r
     rows = [
-        "| strategy | model | float32: loss | grad norm | parameters | bounds "
-        "| bfloat16: loss | grad norm | update | bounds |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| strategy | model | float32: loss | grad norm | parameters "
+        "| bfloat16: loss | grad norm | update |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     # The strategies in the tests' order, each with its models
     ranked = sorted(cells, key=lambda c: (cells[c]["order"], list(MODELS).index(c[1])))
@@ -86,7 +86,6 @@ def table(records: list) -> str:
             if r is None:
                 raise SystemExit(f"no {dtype} comparison of {strategy} with {MODELS[model]}")
             row += [f"{x:.1e}" for x in r["measured"][:3]]  # the 4th: the largest element's
-            row.append(" / ".join(f"{x:g}" for x in r["bounds"]))
         rows.append("| " + " | ".join(row) + " |")
     return "\n".join(rows)
 

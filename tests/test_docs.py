@@ -256,9 +256,9 @@ def test_each_generated_mutant_is_one_edit_of_the_lesson():
 
 
 def test_the_parity_matrix_is_the_tests():
-    """docs/checks.md has a row for every strategy and model the tests train, with the bounds
-    the tests hold them to, and every figure within its bound (dev/parity.py --write measures
-    them: about 15 minutes, not a test)."""
+    """docs/checks.md has a row for every strategy and model the tests train, and every figure
+    within the bound the tests hold it to (dev/parity.py --write measures them: about 15
+    minutes, not a test)."""
     import test_equivalence as eq
 
     text = (ROOT / "docs" / "checks.md").read_text()
@@ -274,11 +274,7 @@ def test_the_parity_matrix_is_the_tests():
     for (strategy, model), (*_, figures) in zip(found, rows, strict=True):
         cells = [cell.strip() for cell in figures.split("|")]
         bf16 = eq.BF16_MOE_RTOL if model == "moe" else eq.BF16_RTOL
-        for measured, bounds, tested in (
-            (cells[0:3], cells[3], (eq.RTOL,) * 3),
-            (cells[4:7], cells[7], bf16),
-        ):
-            assert bounds == " / ".join(f"{x:g}" for x in tested), (strategy, model)
+        for measured, tested in ((cells[0:3], (eq.RTOL,) * 3), (cells[3:6], bf16)):
             assert all(float(x) <= bound for x, bound in zip(measured, tested, strict=True)), (
                 strategy,
                 model,
