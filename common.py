@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -31,6 +32,7 @@ from flax.linen import logical_to_mesh_axes
 from flax.linen import with_logical_constraint as constrain  # rules' layout; none: x
 from flax.training import train_state
 from flax.traverse_util import flatten_dict, unflatten_dict
+from jax.tree_util import tree_leaves_with_path
 from jax.experimental import mesh_utils, multihost_utils
 from jax.experimental.pallas.ops.tpu.megablox import gmm
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
@@ -293,7 +295,7 @@ class Pieces(typing.NamedTuple):
     Embed: Callable  # a class, or a function building one, as Piece(config, hooks, rngs=rngs)
     Block: Callable
     Head: Callable
-    tied: tuple | str = ()  # the head's parameters that are the embedding's: paths, or "all"
+    tied: tuple | str = ()  # the head's parameters that are the embedding's (paths); "cut": found
 
 
 GPT = Pieces(Embed, Block, Head)
@@ -326,12 +328,14 @@ def _by_hook(attend, attention_fn, q, k, v, mask=None, is_causal=False, **option
 
 @dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity, for jax.checkpoint
 class PieceDef:
-    """A piece as nnx.split gives it, on shapes: graph, parameters (names too), dropout streams."""
+    """A piece as nnx.split gives it, on shapes: graph, parameters (names too), dropout streams;
+    a half of a model written whole also holds the other half's parameters (`unread`)."""
 
     name: str  # embed, block or head
     graphdef: Any
     params: Any
     streams: Any
+    unread: dict = dataclasses.field(default_factory=dict)  # path: shape, zeros when merged
 
     @classmethod
     def of(cls, name, piece_class, config, hooks):
@@ -353,6 +357,9 @@ def seeded(streams, rng):
 
 def merge(piece: PieceDef, params, rng=None):
     """The piece as a module holding `params` (a dict, nnx.State's pure form), dropout from rng."""
+    if piece.unread:  # a half of a model written whole: the other half's parameters, never read
+        zeros = {path: jnp.zeros(x.shape, x.dtype) for path, x in piece.unread.items()}
+        params = unflatten_dict({**flatten_dict(params), **zeros})
     module = nnx.merge(piece.graphdef, params, seeded(piece.streams, rng))
     module.set_attributes(deterministic=rng is None, raise_if_not_found=False)  # no key: no drop
     return module
@@ -371,8 +378,7 @@ def call(piece: PieceDef, module, x):
 
 def cut_at_blocks(make) -> Pieces:
     """A model written whole, Model(config, hooks, rngs=rngs) (a class or a function), cut at its
-    blocks into pieces: Embed runs it to its first block, Head on from its last (the rest, dead
-    code, compiled away)."""
+    blocks into pieces: Embed runs it to its first block, Head from its last on (_top)."""
 
     def top(config, hooks, *, rngs):  # the model less its blocks, each a piece of its own
         model = make(config, hooks, rngs=rngs)
@@ -385,7 +391,7 @@ def cut_at_blocks(make) -> Pieces:
         model = make(config, hooks, rngs=rngs)
         return _modules(getattr(model, blocks_at(model, config.layers)))[0]
 
-    return Pieces(top, block, top, "all")
+    return Pieces(top, block, top, "cut")
 
 
 def blocks_at(model, layers: int) -> str:
@@ -406,32 +412,82 @@ def _modules(value) -> list:
     return list(value) if listed and all(isinstance(m, nnx.Module) for m in value) else []
 
 
-class _Reached(list):
+class _Blocks(list):
     """The blocks' stand-in, iterated (for block in self.blocks) or called (nnx.Sequential)."""
 
     def __call__(self, x, *args, **kwargs):
         return self[0](x)
 
 
+class _Reached(BaseException):  # not an Exception: a model's own `except Exception` lets it by
+    """The activations a whole model gives its first block."""
+
+
+_blocks_p = jax.extend.core.Primitive("blocks")  # where a whole model's blocks run, in its jaxpr
+_blocks_p.def_abstract_eval(lambda x: x)
+
+
 @functools.cache  # one class per model's: equal graphs, equal classes
 def _top(model_class, name):
     class Top(model_class):  # the model less its blocks
-        def __call__(self, x):  # tokens (Embed), or the blocks' output (Head)
-            tokens, reached = x.ndim == 2, []
-
-            def blocks(y):  # where the blocks ran: Embed keeps their input, Head gives x
-                reached.append(y)  # (Embed's head runs on zeros laid out anew: no layout's)
-                return jnp.zeros(y.shape, y.dtype) if tokens else x
-
-            setattr(self, name, _Reached([blocks]))
-            try:
-                out = super().__call__(x if tokens else jnp.zeros(x.shape[:2], jnp.int32))
-            finally:
-                delattr(self, name)
-            return reached[0] if tokens else out
+        def __call__(self, x):  # tokens: what its first block gets; activations: from the last
+            if x.ndim == 2:
+                setattr(self, name, _Blocks([_reached]))
+                try:
+                    model_class.__call__(self, x)
+                except _Reached as reached:
+                    return reached.args[0]
+                finally:
+                    delattr(self, name)
+                require(False, "model", f"{model_class.__name__} never calls its blocks")
+            closed, leaves = cut_jaxpr(self, x.shape[:2])
+            return jax.extend.core.jaxpr_as_fun(halves(closed)[1][0])(*leaves, x)[0]
 
     Top.__name__ = Top.__qualname__ = model_class.__name__  # what errors name: the user's class
+    Top.blocks_at = name
     return Top
+
+
+def _reached(x):
+    raise _Reached(x)
+
+
+def cut_jaxpr(top, tokens_shape):
+    """A whole model's jaxpr on tokens of `tokens_shape`, its blocks one marker (_blocks_p), and
+    its inputs but the tokens: the leaves of its parameters (a dict's), then of its other state."""
+    graphdef, params, rest = nnx.split(top, nnx.Param, ...)
+    params, model_class = nnx.to_pure_dict(params), type(top).__mro__[1]
+
+    def whole(params, rest, tokens):
+        model = nnx.merge(graphdef, params, rest)
+        setattr(model, type(top).blocks_at, _Blocks([_blocks_p.bind]))
+        return model_class.__call__(model, tokens)
+
+    tokens = jax.ShapeDtypeStruct(tokens_shape, jnp.int32)
+    return jax.make_jaxpr(whole)(params, rest, tokens), jax.tree.leaves((params, rest))
+
+
+def halves(closed):
+    """A cut jaxpr's part before its blocks (its inputs -> theirs) and after them (its inputs but
+    the tokens, and the blocks' output -> its own), each with the indices of the inputs it reads."""
+    jaxpr, Var = closed.jaxpr, jax.extend.core.Var
+    marks = [e for e in jaxpr.eqns if e.primitive is _blocks_p]
+    require(len(marks) == 1, "model", f"runs its blocks {len(marks)} times a call, not once")
+    (mark,), *inputs, tokens = marks, *jaxpr.invars
+    parts = []
+    for outs, given in ((mark.invars, jaxpr.invars), (jaxpr.outvars, [*inputs, *mark.outvars])):
+        needed, kept = {v for v in outs if isinstance(v, Var)}, []
+        for e in reversed(jaxpr.eqns):
+            if e is not mark and needed & set(e.outvars):
+                kept.append(e)
+                needed |= {v for v in e.invars if isinstance(v, Var)}
+        part = jaxpr.replace(invars=given, outvars=list(outs), eqns=kept[::-1])
+        reads = {i for i, v in enumerate(jaxpr.invars) if v in needed}
+        parts.append((jax.extend.core.ClosedJaxpr(part, closed.consts), reads))
+    require(
+        tokens not in needed, "model", "reads its tokens after its blocks: give them to a block"
+    )
+    return parts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -446,14 +502,35 @@ class Model:
     @functools.cached_property
     def defs(self) -> dict:
         pieces = zip(("embed", "block", "head"), self.pieces[:3], strict=True)
-        return {name: PieceDef.of(name, p, self.config, self.hooks) for name, p in pieces}
+        defs = {name: PieceDef.of(name, p, self.config, self.hooks) for name, p in pieces}
+        if self.pieces.tied != "cut":
+            return defs
+        # Written whole: each half holds the parameters it reads (the embedding, those neither does)
+        top = defs["embed"]
+        module = nnx.merge(top.graphdef, top.params, top.streams)
+        parts = halves(cut_jaxpr(module, (1, self.config.seq_len))[0])
+        shapes = flatten_dict(nnx.to_pure_dict(top.params))
+        paths = [tuple(k.key for k in p) for p, _ in tree_leaves_with_path(unflatten_dict(shapes))]
+        before, after = ({paths[i] for i in reads if i < len(paths)} for _, reads in parts)
+        kept = {"embed": set(paths) - (after - before), "head": after}
+
+        def half(name):
+            state = [(p, v) for p, v in nnx.to_flat_state(top.params) if p in kept[name]]
+            unread = {p: x for p, x in shapes.items() if p not in kept[name]}
+            state = nnx.from_flat_state(state)
+            return dataclasses.replace(top, name=name, params=state, unread=unread)
+
+        return {**defs, "embed": half("embed"), "head": half("head")}
 
     @functools.cached_property
     def tied(self) -> tuple:
         """The paths of the head's parameters that the embedding holds."""
-        if self.pieces.tied != "all":
+        if self.pieces.tied != "cut":
             return self.pieces.tied
-        return tuple(flatten_dict(nnx.to_pure_dict(self.defs["head"].params), sep="/"))
+        embed, head = (
+            flatten_dict(nnx.to_pure_dict(self.defs[n].params)) for n in ("embed", "head")
+        )
+        return tuple("/".join(map(str, p)) for p in head if p in embed)
 
     def __call__(self, params, tokens, rng=None):
         c, defs, run = self.config, self.defs, self.wrap(run_piece) if self.wrap else run_piece
@@ -485,15 +562,19 @@ def init_params(model: Model, rng):
     """The parameters as nested dicts (nnx.State's pure form), each piece's from its own key."""
     c, keys = model.config, jax.random.split(rng, model.config.layers + 2)
 
-    def made(piece_class, key):  # built with the default hooks: a strategy's run inside its step
-        return nnx.to_pure_dict(nnx.state(build(piece_class, c, Hooks(), key), nnx.Param))
+    def made(name, key):  # built with the default hooks; the parameters the piece holds
+        piece = build(getattr(model.pieces, name.title()), c, Hooks(), key)
+        made = flatten_dict(nnx.to_pure_dict(nnx.state(piece, nnx.Param)))
+        held = flatten_dict(nnx.to_pure_dict(model.defs[name].params))
+        tied = model.tied if name == "head" else ()  # the embedding holds those
+        kept = (p for p in made if p in held and "/".join(map(str, p)) not in tied)
+        return unflatten_dict({p: made[p] for p in kept})
 
-    params = {"embed": made(model.pieces.Embed, keys[0])}
-    blocks = jax.vmap(lambda key: made(model.pieces.Block, key))(keys[1:-1])  # built once
+    params = {"embed": made("embed", keys[0])}
+    blocks = jax.vmap(lambda key: made("block", key))(keys[1:-1])  # built once
     unstacked = {f"block_{i}": jax.tree.map(lambda b, i=i: b[i], blocks) for i in range(c.layers)}
     params.update({"blocks": blocks} if c.scan_layers else unstacked)  # scanned: [layers, ...]
-    head = flatten_dict(made(model.pieces.Head, keys[-1]), sep="/")  # less what the embedding holds
-    params["head"] = unflatten_dict({p: x for p, x in head.items() if p not in model.tied}, sep="/")
+    params["head"] = made("head", keys[-1])
     return params
 
 
@@ -1264,7 +1345,8 @@ def check_honoured(config: TrainingConfig):
         same = f"{value}: the model's parameters are the same without it: build it from"
         eg = f"config.{name}, e.g. " + ("--mlp-dim 0" if name == "mlp_dim" else "--model gpt")
         require(not value or shapes(config) != shapes(unset), name, f"{same} {eg}")
-    merged = [nnx.merge(d.graphdef, d.params, d.streams) for d in defs.values()]
+    whole = lambda d: unflatten_dict({**flatten_dict(nnx.to_pure_dict(d.params)), **d.unread})  # noqa: E731
+    merged = [nnx.merge(d.graphdef, whole(d), d.streams) for d in defs.values()]
     layers = [m for piece in merged for _, m in nnx.iter_modules(piece)]
     rate = max((m.rate for m in layers if isinstance(m, nnx.Dropout)), default=config.dropout)
     eg = f"{config.dropout}: the model's nnx.Dropout layers drop {rate}: build them from"

@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from unittest import mock
 
 import jax
 import numpy as np
@@ -131,10 +132,12 @@ def test_a_model_written_as_the_flax_guides_write_one_comes_in_with_few_changes(
         model = common.make_model(config)
         params = common.init_params(model, jax.random.key(0))
         whole = docs_model.Model(config, model.hooks, rngs=nnx.Rngs(0))
-    assert model.tied == ("embed/embedding", "norm/scale") and params["head"] == {}
+    # Each half holds what it reads: the embedding the table, the head its norm, reading the
+    # table as its own (tied: the part after the blocks reads it too)
+    assert model.tied == ("embed/embedding",) and params["head"] == {"norm": {"scale": mock.ANY}}
     blocks = {i: params[f"block_{i}"] for i in range(config.layers)}
     state = nnx.state(whole, nnx.Param)
-    nnx.replace_by_pure_dict(state, {**params["embed"], "blocks": blocks})
+    nnx.replace_by_pure_dict(state, {**params["embed"], **params["head"], "blocks": blocks})
     nnx.update(whole, state)
     np.testing.assert_array_equal(model(params, tokens)[0], whole(tokens))
 
@@ -153,13 +156,14 @@ def test_the_flax_docs_gpt_comes_in_with_few_changes():
     config = common.Config(**{**SMALL, "model": "tests.minigpt"})
     model = common.make_model(config)
     params = common.init_params(model, jax.random.key(0))
-    assert params["head"] == {}  # a whole model's top: the embedding's piece holds it
+    assert set(params["head"]) == {"output_layer"}  # what only the part after the blocks reads
     with nnx.use_eager_sharding(False):
         whole = minigpt_as_written.create_model(nnx.Rngs(0))
     whole.eval()  # its dropout off, as the scripts' without a key
     blocks = {i: params[f"block_{i}"] for i in range(config.layers)}
     state = nnx.state(whole, nnx.Param)
-    nnx.replace_by_pure_dict(state, {**params["embed"], "transformer_blocks": {"layers": blocks}})
+    top = {**params["embed"], **params["head"]}
+    nnx.replace_by_pure_dict(state, {**top, "transformer_blocks": {"layers": blocks}})
     nnx.update(whole, state)
     tokens = jax.random.randint(jax.random.key(1), (2, config.seq_len), 0, config.vocab_size)
     with jax.set_mesh(jax.make_mesh((2, 4), ("batch", "model"))):

@@ -68,7 +68,7 @@ def check_model_file(config: Config):
     """What a model file declares: Embed, Block and Head modules (common.model_pieces checks),
     a TIED of paths."""
     tied, where = common.model_pieces(config).tied, f"--model {config.model}:"
-    if tied != "all" and not (
+    if tied != "cut" and not (
         isinstance(tied, tuple) and all(isinstance(p, str) and p for p in tied)
     ):
         raise ConfigError(
@@ -176,7 +176,7 @@ def check_model(config: common.Config):
         )
     # Contract point 4: what the head ties is the embedding's, alike in both
     alone = {"embed": _parameter_shapes(embed.params), "head": _parameter_shapes(head.params)}
-    for path in tuple(alone["head"]) if pieces.tied == "all" else pieces.tied:
+    for path in tuple(alone["head"]) if pieces.tied == "cut" else pieces.tied:
         for name in ("head", "embed"):
             if path not in alone[name]:
                 raise ConfigError(
