@@ -90,7 +90,7 @@ class TrainingConfig:
     dtype: str = arg("float32", "compute dtype; parameters stay float32", choices=DTYPES)
     attention: str = arg("auto", "auto: splash on TPU, cudnn on GPU, else xla", choices=ATTENTION)
     vocab_size: int = arg(256, "tokens: 50304 as GPT-2; text is read as bytes: 256", min=8)
-    model: str = arg("gpt", "gpt, or a file or module of yours: Embed, Block, Head, or a Model")
+    model: str = arg("gpt", "gpt, or a file or module of yours defining Model (docs/your_model.md)")
     tie_embeddings: bool = arg(False, "the GPT's head reads the token embedding's table")
     experts: int = arg(0, "mixture of experts: expert MLPs per block and a router", min=0)
     top_k: int = arg(2, "with --experts: the experts each token goes to")
@@ -128,16 +128,15 @@ def check_ranges(c: TrainingConfig):
 
 
 # ----------------------------------------------------------------------------------------------
-# Model. The scripts train any model made of three pieces: the GPT-2-style decoder below, or
-# your own (--model; tools/check.py checks it on shapes alone). Its contract, in Flax NNX:
-#   1. nnx.Modules named Embed, Block and Head, built as Piece(config, hooks, rngs=rngs), called
-#      as piece(x): Embed, tokens [batch, length] int32 -> activations [batch, length, features];
-#      Block, activations -> activations alike, or (them, a dict of float32 sums over its rows
-#      for the metrics, 'aux_loss_sum' joining the loss); Head, activations -> float32 logits
-#      [batch, length, --vocab-size]. Or one nnx.Module made by Model(config, hooks, rngs=rngs)
-#      (a class or a function), its blocks in self.blocks or its one list, nnx.List or
-#      nnx.Sequential of --layers modules: cut there (cut_at_blocks). Linen pieces come in through
-#      nnx.bridge (tests/llama.py). config is the flags: what it ignores stops the run.
+# Model. The scripts train any model: the GPT-2-style decoder below, or yours (--model;
+# tools/check.py checks it on shapes alone). Its contract, in Flax NNX:
+#   1. One nnx.Module (a class or a function) made by Model(config, hooks, rngs=rngs), called as
+#      model(tokens) on int32 [batch, length], returning float32 logits [batch, length,
+#      --vocab-size]; its blocks in self.blocks (or its one list, nnx.List or nnx.Sequential of
+#      --layers modules), each activations -> activations alike, or (them, a dict of float32 sums
+#      over its rows for the metrics, 'aux_loss_sum' joining the loss). The scripts cut it there
+#      (cut_at_blocks). Linen layers come in through nnx.bridge (tests/llama.py). config is the
+#      flags: what the model ignores stops the run.
 #   2. Parameters name their axes, nnx.with_partitioning(init, names), e.g. ("embed", "mlp"), or
 #      the mesh axes they are split over, P(None, "model") (the rest whole), for the scripts that
 #      lay them out by name: pjit_tp.py, logical_pjit.py, explicit_sharding.py.
@@ -146,9 +145,8 @@ def check_ranges(c: TrainingConfig):
 #      come from hooks.positions(length); a mixture of experts reaches them through
 #      hooks.to_experts or .dropless, its sequence .whole_sequence. No layout of its own on the
 #      activations (reshard, out_sharding) but logical constraints: the scripts lay them out.
-#   4. Pieces share no parameter but what the head ties to the embedding, at the same path, in
-#      TIED = ("token/embedding",) (a whole model's head: all it has); no state but parameters
-#      and nnx.Dropout's, seeded per call, off when `deterministic` (as nnx.view sets it).
+#   4. No state but parameters and nnx.Dropout's, seeded per call, off when `deterministic` (as
+#      nnx.view sets it). A head that reads the embedding's table is tied (found, not declared).
 # Activations carry logical constraints, inert without a script's rules (sequence parallelism).
 # ----------------------------------------------------------------------------------------------
 
@@ -210,19 +208,6 @@ class Hooks:
     whole_sequence: Callable = lambda x: x  # of this device's tokens -> the sequences'
 
 
-class Embed(nnx.Module):
-    def __init__(self, config: TrainingConfig, hooks: Hooks, *, rngs: nnx.Rngs):
-        c, self.hooks = config, hooks
-        self.token = _embed(c, c.vocab_size, ("vocab", "embed"), rngs)
-        self.position = _embed(c, c.seq_len, ("pos", "embed"), rngs)
-        self.dropout = nnx.Dropout(c.dropout, rngs=rngs)
-
-    def __call__(self, tokens):
-        x = _whole_sequence(self.token(tokens))  # the lookup's partial sums (a split vocabulary)
-        x = x + self.position(self.hooks.positions(tokens.shape[1]))
-        return self.dropout(constrain(x, ("batch", "length", "act_embed")))
-
-
 class Attention(nnx.Module):
     def __init__(self, config: TrainingConfig, hooks: Hooks, *, rngs: nnx.Rngs):
         c, self.attend = config, hooks.attend
@@ -272,39 +257,34 @@ class Block(nnx.Module):
         return constrain(x + h, ("batch", "length", "act_embed")), stats
 
 
-class Head(nnx.Module):
+class GPT(nnx.Module):
+    """GPT-2's decoder: token and position embeddings, the blocks, a final norm and the head (with
+    --tie-embeddings the token embedding's table)."""
+
     def __init__(self, config: TrainingConfig, hooks: Hooks, *, rngs: nnx.Rngs):
-        c, self.ln_f = config, _layer_norm(config, rngs)
-        if c.tie_embeddings:  # the token embedding's table (tied: model_pieces), as the kernel
-            self.token = _embed(c, c.vocab_size, ("vocab", "embed"), rngs)
-        else:
+        c, self.hooks = config, hooks
+        self.token = _embed(c, c.vocab_size, ("vocab", "embed"), rngs)
+        self.position = _embed(c, c.seq_len, ("pos", "embed"), rngs)
+        self.dropout = nnx.Dropout(c.dropout, rngs=rngs)
+        self.blocks = nnx.List([Block(c, hooks, rngs=rngs) for _ in range(c.layers)])
+        self.ln_f = _layer_norm(c, rngs)
+        if not c.tie_embeddings:
             self.out = _linear(c, c.d_model, c.vocab_size, ("embed", "vocab"), rngs, use_bias=False)
 
-    def __call__(self, x):
+    def __call__(self, tokens):
+        x = _whole_sequence(self.token(tokens))  # the lookup's partial sums (a split vocabulary)
+        x = x + self.position(self.hooks.positions(tokens.shape[1]))
+        x = self.dropout(constrain(x, ("batch", "length", "act_embed")))
+        for block in self.blocks:
+            x = block(x)
+            x = x[0] if isinstance(x, tuple) else x  # less a mixture's sums (the scripts add them)
         x = _whole_sequence(self.ln_f(x))
-        if hasattr(self, "token"):
-            # x @ table.T as one contraction: nnx.Embed.attend's transposed copy would be kept
+        if hasattr(self, "out"):
+            logits = self.out(x)
+        else:  # x @ table.T as one contraction: nnx.Embed.attend's transposed copy would be kept
             # for the backward pass under fsdp.py's remat, which gathers the table again
             logits = jnp.einsum("...d,vd->...v", x, self.token.embedding[...].astype(x.dtype))
-        else:
-            logits = self.out(x)
         return constrain(logits.astype(jnp.float32), ("batch", "length", "act_vocab"))
-
-
-class Pieces(typing.NamedTuple):
-    Embed: Callable  # a class, or a function building one, as Piece(config, hooks, rngs=rngs)
-    Block: Callable
-    Head: Callable
-    tied: tuple | str = ()  # the head's parameters that are the embedding's (paths); "cut": found
-
-
-GPT = Pieces(Embed, Block, Head)
-
-
-def with_tied(head_params, embed_params, tied):
-    """The head's parameters with those it ties: their gradient the sum of both uses."""
-    head, embed = (flatten_dict(p, sep="/") for p in (head_params, embed_params))
-    return unflatten_dict({**head, **{path: embed[path] for path in tied}}, sep="/")
 
 
 def build(piece_class, config, hooks, rng):
@@ -359,6 +339,7 @@ def merge(piece: PieceDef, params, rng=None):
     """The piece as a module holding `params` (a dict, nnx.State's pure form), dropout from rng."""
     if piece.unread:  # a half of a model written whole: the other half's parameters, never read
         zeros = {path: jnp.zeros(x.shape, x.dtype) for path, x in piece.unread.items()}
+        params = params if isinstance(params, dict) else nnx.to_pure_dict(params)
         params = unflatten_dict({**flatten_dict(params), **zeros})
     module = nnx.merge(piece.graphdef, params, seeded(piece.streams, rng))
     module.set_attributes(deterministic=rng is None, raise_if_not_found=False)  # no key: no drop
@@ -376,9 +357,10 @@ def call(piece: PieceDef, module, x):
     return (out, None) if piece.name == "block" and not isinstance(out, tuple) else out
 
 
-def cut_at_blocks(make) -> Pieces:
-    """A model written whole, Model(config, hooks, rngs=rngs) (a class or a function), cut at its
-    blocks into pieces: Embed runs it to its first block, Head from its last on (_top)."""
+def cut_at_blocks(make) -> dict:
+    """A model, Model(config, hooks, rngs=rngs) (a class or a function), cut at its blocks into
+    pieces, each built as piece(config, hooks, rngs=rngs): the embedding runs it to its first
+    block, the head from its last on (_top), a block is its first."""
 
     def top(config, hooks, *, rngs):  # the model less its blocks, each a piece of its own
         model = make(config, hooks, rngs=rngs)
@@ -391,7 +373,7 @@ def cut_at_blocks(make) -> Pieces:
         model = make(config, hooks, rngs=rngs)
         return _modules(getattr(model, blocks_at(model, config.layers)))[0]
 
-    return Pieces(top, block, top, "cut")
+    return {"embed": top, "block": block, "head": top}
 
 
 def blocks_at(model, layers: int) -> str:
@@ -424,7 +406,7 @@ class _Reached(BaseException):  # not an Exception: a model's own `except Except
 
 
 _blocks_p = jax.extend.core.Primitive("blocks")  # where a whole model's blocks run, in its jaxpr
-_blocks_p.def_abstract_eval(lambda x: x)
+_blocks_p.def_abstract_eval(lambda *args: args[-1])
 
 
 @functools.cache  # one class per model's: equal graphs, equal classes
@@ -440,8 +422,9 @@ def _top(model_class, name):
                 finally:
                     delattr(self, name)
                 require(False, "model", f"{model_class.__name__} never calls its blocks")
-            closed, leaves = cut_jaxpr(self, x.shape[:2])
-            return jax.extend.core.jaxpr_as_fun(halves(closed)[1][0])(*leaves, x)[0]
+            closed, leaves = cut_jaxpr(self, x.shape[:2], x)
+            after = halves(closed, len(leaves))[1][0]
+            return jax.extend.core.jaxpr_as_fun(after)(*leaves, x)[0]
 
     Top.__name__ = Top.__qualname__ = model_class.__name__  # what errors name: the user's class
     Top.blocks_at = name
@@ -452,66 +435,70 @@ def _reached(x):
     raise _Reached(x)
 
 
-def cut_jaxpr(top, tokens_shape):
-    """A whole model's jaxpr on tokens of `tokens_shape`, its blocks one marker (_blocks_p), and
-    its inputs but the tokens: the leaves of its parameters (a dict's), then of its other state."""
+def cut_jaxpr(top, tokens_shape, x=None):
+    """A whole model's jaxpr on tokens of `tokens_shape`, its blocks one marker (_blocks_p: its
+    output typed as x, if given), and its state's leaves: the parameters' (a dict's), the rest."""
     graphdef, params, rest = nnx.split(top, nnx.Param, ...)
     params, model_class = nnx.to_pure_dict(params), type(top).__mro__[1]
 
-    def whole(params, rest, tokens):
+    def whole(params, rest, tokens, *x):
         model = nnx.merge(graphdef, params, rest)
-        setattr(model, type(top).blocks_at, _Blocks([_blocks_p.bind]))
+        setattr(model, type(top).blocks_at, _Blocks([lambda y: _blocks_p.bind(y, *x)]))
         return model_class.__call__(model, tokens)
 
-    tokens = jax.ShapeDtypeStruct(tokens_shape, jnp.int32)
-    return jax.make_jaxpr(whole)(params, rest, tokens), jax.tree.leaves((params, rest))
+    tokens, x = jax.ShapeDtypeStruct(tokens_shape, jnp.int32), () if x is None else (x,)
+    return jax.make_jaxpr(whole)(params, rest, tokens, *x), jax.tree.leaves((params, rest))
 
 
-def halves(closed):
-    """A cut jaxpr's part before its blocks (its inputs -> theirs) and after them (its inputs but
-    the tokens, and the blocks' output -> its own), each with the indices of the inputs it reads."""
+def halves(closed, leaves: int):
+    """A cut jaxpr's part before its blocks (its inputs -> theirs) and after them (its first
+    `leaves` inputs, the state's, and the blocks' output -> its own), each with the indices of the
+    state's leaves it reads."""
     jaxpr, Var = closed.jaxpr, jax.extend.core.Var
     marks = [e for e in jaxpr.eqns if e.primitive is _blocks_p]
     require(len(marks) == 1, "model", f"runs its blocks {len(marks)} times a call, not once")
-    (mark,), *inputs, tokens = marks, *jaxpr.invars
-    parts = []
-    for outs, given in ((mark.invars, jaxpr.invars), (jaxpr.outvars, [*inputs, *mark.outvars])):
+    (mark,), state, parts = marks, jaxpr.invars[:leaves], []
+    for outs, given in ((mark.invars[:1], jaxpr.invars), (jaxpr.outvars, [*state, *mark.outvars])):
         needed, kept = {v for v in outs if isinstance(v, Var)}, []
         for e in reversed(jaxpr.eqns):
             if e is not mark and needed & set(e.outvars):
                 kept.append(e)
                 needed |= {v for v in e.invars if isinstance(v, Var)}
         part = jaxpr.replace(invars=given, outvars=list(outs), eqns=kept[::-1])
-        reads = {i for i, v in enumerate(jaxpr.invars) if v in needed}
+        reads = {i for i, v in enumerate(state) if v in needed}
         parts.append((jax.extend.core.ClosedJaxpr(part, closed.consts), reads))
-    require(
-        tokens not in needed, "model", "reads its tokens after its blocks: give them to a block"
-    )
+    tokens = "reads its tokens after its blocks: give them to a block"
+    require(not needed & set(jaxpr.invars[leaves:]), "model", tokens)
     return parts
 
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """The pieces as one function of the parameters (apply_fn), each piece run through `wrap`."""
+    """The model as one function of the parameters (apply_fn), cut at its blocks into pieces
+    (the embedding, a block, the head), each run through `wrap`."""
 
     config: TrainingConfig
-    pieces: Pieces = GPT
+    make: Callable = GPT  # Model(config, hooks, rngs=rngs)
     wrap: Callable[[Callable], Callable] | None = None  # run_piece -> the same, wrapped
     hooks: Hooks = Hooks()
 
     @functools.cached_property
+    def pieces(self) -> dict:
+        return cut_at_blocks(self.make)
+
+    @functools.cached_property
     def defs(self) -> dict:
-        pieces = zip(("embed", "block", "head"), self.pieces[:3], strict=True)
-        defs = {name: PieceDef.of(name, p, self.config, self.hooks) for name, p in pieces}
-        if self.pieces.tied != "cut":
-            return defs
-        # Written whole: each half holds the parameters it reads (the embedding, those neither does)
+        """Each piece on shapes; the embedding and the head, halves of one module, each hold the
+        parameters that half reads (the embedding also those neither does)."""
+        c, hooks = self.config, self.hooks
+        defs = {name: PieceDef.of(name, p, c, hooks) for name, p in self.pieces.items()}
         top = defs["embed"]
         module = nnx.merge(top.graphdef, top.params, top.streams)
-        parts = halves(cut_jaxpr(module, (1, self.config.seq_len))[0])
+        closed, leaves = cut_jaxpr(module, (1, c.seq_len))
         shapes = flatten_dict(nnx.to_pure_dict(top.params))
         paths = [tuple(k.key for k in p) for p, _ in tree_leaves_with_path(unflatten_dict(shapes))]
-        before, after = ({paths[i] for i in reads if i < len(paths)} for _, reads in parts)
+        reads = (reads for _, reads in halves(closed, len(leaves)))
+        before, after = ({paths[i] for i in part if i < len(paths)} for part in reads)
         kept = {"embed": set(paths) - (after - before), "head": after}
 
         def half(name):
@@ -524,9 +511,7 @@ class Model:
 
     @functools.cached_property
     def tied(self) -> tuple:
-        """The paths of the head's parameters that the embedding holds."""
-        if self.pieces.tied != "cut":
-            return self.pieces.tied
+        """The paths of the head's parameters that the embedding holds: read by both halves."""
         embed, head = (
             flatten_dict(nnx.to_pure_dict(self.defs[n].params)) for n in ("embed", "head")
         )
@@ -558,12 +543,18 @@ class Model:
         return run(defs["head"], head, x, key(c.layers + 1)), stats or {}
 
 
+def with_tied(head_params, embed_params, tied):
+    """The head's parameters with those it ties: their gradient the sum of both uses."""
+    head, embed = (flatten_dict(p, sep="/") for p in (head_params, embed_params))
+    return unflatten_dict({**head, **{path: embed[path] for path in tied}}, sep="/")
+
+
 def init_params(model: Model, rng):
     """The parameters as nested dicts (nnx.State's pure form), each piece's from its own key."""
     c, keys = model.config, jax.random.split(rng, model.config.layers + 2)
 
     def made(name, key):  # built with the default hooks; the parameters the piece holds
-        piece = build(getattr(model.pieces, name.title()), c, Hooks(), key)
+        piece = build(model.pieces[name], c, Hooks(), key)
         made = flatten_dict(nnx.to_pure_dict(nnx.state(piece, nnx.Param)))
         held = flatten_dict(nnx.to_pure_dict(model.defs[name].params))
         tied = model.tied if name == "head" else ()  # the embedding holds those
@@ -1222,31 +1213,17 @@ def host_batch(dataset, config: TrainingConfig, step: int, split: str = "train")
 # ----------------------------------------------------------------------------------------------
 
 
-def model_pieces(config: TrainingConfig) -> Pieces:
-    """The pieces --model names; with --tie-embeddings the GPT's head reads its embedding."""
-    pieces = _model_pieces(config.model)
-    return pieces._replace(tied=("token/embedding",)) if config.tie_embeddings else pieces
-
-
 @functools.cache
-def _model_pieces(name: str) -> Pieces:
-    """A built-in model, or the Embed, Block, Head (and TIED) of a file or module of yours."""
+def model_class(name: str) -> Callable:
+    """The model --model names: the GPT, or the Model of a file or module of yours."""
     if name == "gpt":  # the one built in
         return GPT
-    module = model_module(name)
-    if not hasattr(module, "Embed") and callable(getattr(module, "Model", None)):
-        return cut_at_blocks(module.Model)  # written whole
-    pieces = [getattr(module, piece, None) for piece in Pieces._fields[:3]]
-    missing = [n for n, p in zip(Pieces._fields, pieces, strict=False) if not isinstance(p, type)]
-    forms = "a Model(config, hooks, rngs=rngs) keeping its blocks in a list nor the pieces"
-    lacks = f"Embed, Block and Head (no {', '.join(missing)})"
-    require(not missing, "model", f"{name} defines neither {forms} {lacks}, e.g. --model gpt")
-    for field, piece in zip(Pieces._fields, pieces, strict=False):
-        linen = "linen's through nnx.bridge, as tests/llama.py"
-        require(
-            issubclass(piece, nnx.Module), "model", f"{name}: {field} is no nnx.Module ({linen})"
-        )
-    return Pieces(*pieces, getattr(module, "TIED", ()))
+    make, eg = getattr(model_module(name), "Model", None), "e.g. --model gpt"
+    require(callable(make), "model", f"{name} defines no Model(config, hooks, rngs=rngs), {eg}")
+    linen = "linen's through nnx.bridge, as tests/llama.py"
+    module = not isinstance(make, type) or issubclass(make, nnx.Module)
+    require(module, "model", f"{name}: Model is no nnx.Module ({linen})")
+    return make
 
 
 @functools.cache
@@ -1310,7 +1287,7 @@ def make_model(config: TrainingConfig, wrap: Callable | None = None, hooks=Hooks
     if attend is causal_attention:
         attend = functools.partial(causal_attention, implementation=attention_kernel(config))
     hooks = dataclasses.replace(hooks, attend=functools.partial(as_flagged, attend, config))
-    return Model(config, model_pieces(config), wrap, hooks)
+    return Model(config, model_class(config.model), wrap, hooks)
 
 
 def as_flagged(attend, config: TrainingConfig, q, k, v):
@@ -1337,7 +1314,7 @@ def check_honoured(config: TrainingConfig):
         raise
     except Exception as error:  # its own code, or a piece built otherwise than the contract says
         failed = f"--model {config.model} fails when built ({one_line(error)})"
-        built = "each piece is built as Piece(config, hooks, rngs=rngs), e.g. --model gpt"
+        built = "it is built as Model(config, hooks, rngs=rngs), e.g. --model gpt"
         raise ConfigError(f"{model_line(config, error, 'when built') or failed}: {built}") from None
     shapes = lambda c: jax.eval_shape(lambda: init_params(make_model(c), jax.random.key(0)))  # noqa: E731
     for name in ("experts", "shared_experts", "mlp_dim"):  # e.g. the GPT's mixture, or none
@@ -1478,7 +1455,7 @@ def check_training(c: TrainingConfig):
     require(c.d_model % c.heads == 0, "heads", heads)
     groups = f"must divide --heads {c.heads}, e.g. --kv-heads {math.gcd(c.heads, 2)}"
     require(c.heads % (c.kv_heads or c.heads) == 0, "kv_heads", groups)
-    tied = "is the GPT's: --model says what it ties in TIED, e.g. --model gpt"
+    tied = "is the GPT's: a model of yours ties its head itself, e.g. --model gpt"
     require(not c.tie_embeddings or c.model == "gpt", "tie_embeddings", tied)
 
 
@@ -1651,7 +1628,7 @@ class Config(TrainingConfig):
     def validate(self):
         """Raise ConfigError naming the first bad flag; a script adds its flags' checks."""
         check_flags(self)
-        model_pieces(self)  # a --model that cannot be loaded is bad input too
+        model_class(self.model)  # a --model that cannot be loaded is bad input too
         check_honoured(self)
 
 

@@ -228,7 +228,7 @@ class Lookup(nnx.Module):
     def attend(self, query):  # a tied head's product with the table, as nnx.Embed's
         return self.embed.attend(query)
 
-    embedding = property(lambda self: self.embed.embedding)  # the table, as common.Head reads it
+    embedding = property(lambda self: self.embed.embedding)  # the table, as common.GPT reads it
 
 
 class WholeSequence(nnx.Module):

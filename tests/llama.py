@@ -3,10 +3,10 @@
 It differs from common.py's GPT where real models differ: RMSNorm without biases, rotary
 position embeddings in place of a learned table, a SwiGLU MLP, no biases anywhere, an untied
 head, and grouped-query attention (two query heads share each key/value head). It keeps the
-model contract of common.py and nothing more: three pieces (linen's, each brought in through
-flax.nnx.bridge at the end of this file), logical axis names on every parameter, attention
-through self.attend and positions through self.positions. Train it with
-any script: python fsdp.py --model tests/llama.py
+model contract of common.py and nothing more: one NNX Model of linen layers (each brought in
+through flax.nnx.bridge at the end of this file), its blocks in self.blocks, logical axis names
+on every parameter, attention through self.attend and positions through self.positions. Train
+it with any script: python fsdp.py --model tests/llama.py
 """
 
 import typing
@@ -122,7 +122,7 @@ class LinenBlock(Piece):
         x = x + nn.Dropout(c.dropout)(
             _dense(c, c.d_model, ("mlp", "embed"), "down", residual)(gated), deterministic
         )
-        return residual_stream(x), None
+        return residual_stream(x)
 
 
 class LinenHead(Piece):
@@ -134,7 +134,7 @@ class LinenHead(Piece):
         return logits.astype(jnp.float32)
 
 
-# The scripts take NNX pieces (common.py's model contract): each linen piece comes in through
+# The scripts take an NNX model (common.py's contract): each linen piece comes in through
 # flax.nnx.bridge, made on zeros, called as piece(x), its dropout off when `deterministic` is set.
 class Bridged(bridge.ToNNX):
     to_nnx__deterministic = True  # to_nnx__: not one of linen's variables
@@ -165,3 +165,16 @@ class Block(Bridged):
 
 class Head(Bridged):
     linen = LinenHead
+
+
+class Model(nnx.Module):
+    def __init__(self, config, hooks, *, rngs):
+        self.embed = Embed(config, hooks, rngs=rngs)
+        self.blocks = nnx.List([Block(config, hooks, rngs=rngs) for _ in range(config.layers)])
+        self.head = Head(config, hooks, rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)

@@ -1,10 +1,10 @@
 """tests/llama.py written in Flax NNX: the same decoder, as a user of NNX writes it.
 
-Each piece is an nnx.Module built as Piece(config, hooks, rngs=rngs) and called as
-piece(x); every parameter names its axes with nnx.with_partitioning, which the
-scripts read as logical names; attention goes through hooks.attend(q, k, v)
-and positions come from hooks.positions(length). Nothing else is asked. Train it with any
-script: python fsdp.py --model tests/nnx_llama.py
+One nnx.Module, Model(config, hooks, rngs=rngs), called as model(tokens), its blocks in
+self.blocks; every parameter names its axes with nnx.with_partitioning, which the scripts read
+as logical names; attention goes through hooks.attend(q, k, v) and positions come from
+hooks.positions(length). Nothing else is asked. Train it with any script:
+python fsdp.py --model tests/nnx_llama.py
 """
 
 import jax
@@ -41,21 +41,6 @@ class RMSNorm(nnx.Module):
         return (normed * self.scale[...]).astype(x.dtype)
 
 
-class Embed(nnx.Module):
-    def __init__(self, config, hooks, *, rngs):
-        self.token = nnx.Embed(
-            config.vocab_size,
-            config.d_model,
-            embedding_init=_init(("vocab", "embed")),
-            dtype=config.dtype,
-            rngs=rngs,
-        )
-        self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
-
-    def __call__(self, tokens):
-        return self.dropout(self.token(tokens))
-
-
 class Block(nnx.Module):
     def __init__(self, config, hooks, *, rngs):
         c, self.hooks = config, hooks
@@ -87,10 +72,22 @@ class Block(nnx.Module):
         return x + self.dropout(self.down(gated))
 
 
-class Head(nnx.Module):
+class Model(nnx.Module):
     def __init__(self, config, hooks, *, rngs):
+        self.token = nnx.Embed(
+            config.vocab_size,
+            config.d_model,
+            embedding_init=_init(("vocab", "embed")),
+            dtype=config.dtype,
+            rngs=rngs,
+        )
+        self.dropout = nnx.Dropout(config.dropout, rngs=rngs)
+        self.blocks = nnx.List([Block(config, hooks, rngs=rngs) for _ in range(config.layers)])
         self.norm = RMSNorm(config.d_model, rngs)
         self.out = _dense(config, config.d_model, config.vocab_size, ("embed", "vocab"), rngs)
 
-    def __call__(self, x):
+    def __call__(self, tokens):
+        x = self.dropout(self.token(tokens))
+        for block in self.blocks:
+            x = block(x)
         return self.out(self.norm(x)).astype(jnp.float32)

@@ -297,7 +297,7 @@ BAD_INPUTS = [
     (
         ["--model", "tests/minigpt_as_written.py"],
         ("shardmap_dp",),
-        "defines neither a Model(config, hooks, rngs=rngs) keeping its blocks in a list nor",
+        "defines no Model(config, hooks, rngs=rngs), e.g. --model gpt",
     ),
     (["--steps", "0"], SCRIPTS, "--steps must be at least 1"),
     (["--layers", "0"], SCRIPTS, "--layers must be at least 1"),
@@ -403,7 +403,7 @@ BAD_INPUTS = [
         ["--dataset", "TEXT.txt", "--seed", "3", "--lr", "1e-3", "--heads", "8", "--kv-heads"]
         + ["2", "--attention", "xla", "--model", "tests/llama.py", "--tie-embeddings"],
         ("shardmap_dp",),
-        "--tie-embeddings is the GPT's: --model says what it ties in TIED, e.g. --model gpt",
+        "--tie-embeddings is the GPT's: a model of yours ties its head itself, e.g. --model gpt",
     ),
     *[
         (

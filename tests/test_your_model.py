@@ -65,7 +65,7 @@ def test_pjit_tp_trains_a_model_file_with_its_table_entries(tmp_path):
     done = run_with_llama("pjit_tp", tmp_path)
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     said = "are in no entry of pjit_tp.py's PARAM_SPECS (tools/check.py --model llama.py suggests "
-    assert said in done.stderr and "head/norm/scale (32,)" in done.stderr, done.stderr
+    assert said in done.stderr and "head/head/norm/scale (32,)" in done.stderr, done.stderr
     names = ("attn_norm/scale", "q/kernel", "kv/kernel", "o/kernel", "gate/kernel")
     assert all(f"block_N/{name}" in done.stderr for name in names), done.stderr
     tool = [sys.executable, str(ROOT / "tools" / "check.py"), "--model", "llama.py", *TINY]
@@ -74,7 +74,7 @@ def test_pjit_tp_trains_a_model_file_with_its_table_entries(tmp_path):
     )
     assert done.returncode == 2 and "pjit_tp.py refuses it: " in done.stderr, done.stderr
     assert all(f'(r"/{name}$", P(' in done.stderr for name in names), done.stderr
-    assert '(r"head/norm/scale$", P()),' in done.stderr, done.stderr
+    assert '(r"head/head/norm/scale$", P()),' in done.stderr, done.stderr
     script = (tmp_path / "pjit_tp.py").read_text()
     entries = (
         '    (r"/(q|gate|up)/kernel", P(None, "model")),\n'
@@ -227,44 +227,56 @@ def broken(change, text=LLAMA):
 # (a change to tests/nnx_llama.py, what the one-line error says)
 BREACHES = [
     (
-        ("class Block(nnx.Module)", "class Layer(nnx.Module)"),
-        "defines neither a Model(config, hooks, rngs=rngs) keeping its blocks in a list nor the "
-        "pieces Embed, Block and Head (no Block), e.g. --model gpt",
+        ("class Model(nnx.Module)", "class Decoder(nnx.Module)"),
+        "defines no Model(config, hooks, rngs=rngs), e.g. --model gpt",
     ),
-    (("class Head(nnx.Module)", "class Head"), "Head is no nnx.Module (linen's through nnx.bridge"),
+    (
+        ("class Model(nnx.Module)", "class Model"),
+        "Model is no nnx.Module (linen's through nnx.bridge",
+    ),
     (
         ('out_sharding=("norm",)', ""),
-        "Block's parameter attn_norm/scale has no logical axis names, where Embed's parameter "
-        "token/embedding has: declare it with nnx.with_partitioning",
+        "parameter norm/scale has no logical axis names, where parameter out/kernel has: declare "
+        "it with nnx.with_partitioning",
     ),
     (
         ('_init(("vocab", "embed"))', '_init(("vocab", "embed", "embed"))'),
-        "Embed's parameter token/embedding has 2 axes but names",
+        "parameter token/embedding has 2 axes but names",
     ),
     (
         (
             "return x + self.dropout(self.down(gated))",
             "return (x + self.down(gated)).astype(jnp.bfloat16)",
         ),
-        "Block returns bfloat16[2, 16, 32] for activations float32[2, 16, 32]",
+        "a block returns bfloat16[2, 16, 32] for activations float32[2, 16, 32]",
     ),
     (
         ("norm(x)).astype(jnp.float32)", "norm(x)).astype(jnp.float32)[..., :-1]"),
-        "Head returns float32[2, 16, 255]; it must return float32 logits float32[2, 16, 256]",
+        "the model returns float32[2, 16, 255]; it must return float32 logits float32[2, 16, 256]",
     ),
     (
         ("norm(x)).astype(jnp.float32)", "norm(x)).astype(jnp.bfloat16)"),
-        "Head returns bfloat16[2, 16, 256]",
+        "the model returns bfloat16[2, 16, 256]",
     ),
-    # Half adapted: the pieces are modules, but attention and positions bypass the hooks (before:
-    # check_model passed, and context_parallel.py trained another model, exit 0)
+    # Half adapted: a module, but attention and positions bypass the hooks (before: check_model
+    # passed, and context_parallel.py trained another model, exit 0)
     (
         ("self.hooks.attend(q, k, v)", "jax.nn.dot_product_attention(q, k, v, is_causal=True)"),
-        "Block never calls hooks.attend(q, k, v): attention must go through that hook",
+        "a block never calls hooks.attend(q, k, v): attention must go through that hook",
     ),
     (
         ("self.hooks.positions(x.shape[1])", "jnp.arange(x.shape[1])"),
-        "Block makes its own token positions or causal mask",
+        "a block makes its own token positions or causal mask",
+    ),
+    # Built otherwise than the contract says (before: a 25-line traceback)
+    (
+        (
+            "    def __init__(self, config, hooks, *, rngs):\n        self.token",
+            "    def __init__(self, config, *, rngs):\n        self.token",
+        ),
+        "fails when built (TypeError: Model.__init__() takes 2 positional arguments but 3 "
+        "positional arguments (and 1 keyword-only argument) were given): it is built as "
+        "Model(config, hooks, rngs=rngs)",
     ),
 ]
 
@@ -333,45 +345,18 @@ def test_context_parallel_refuses_a_model_that_bypasses_its_hooks(breach, hook, 
     assert f"--model never calls hooks.{hook}, which this replaces" in err
 
 
-TIED_LLAMA = (ROOT / "tests" / "tied_llama.py").read_text()
-# Sharing between pieces: (a change to tests/tied_llama.py, what the one-line error says)
-SHARING = [
-    (
-        ('TIED = ("token/embedding",)', 'TIED = ("token/table",)'),
-        "the head ties token/table to the embedding's, but Head has no parameter token/table",
-    ),
-    (('TIED = ("token/embedding",)', 'TIED = "token/embedding"'), "TIED is 'token/embedding'"),
-    (
-        ('embedding_init=_init(("vocab", "embed"))', 'embedding_init=_init(("vocab", "model"))'),
-        "a tied parameter has one shape and one set of axis names",
-    ),
-    # A piece built otherwise than the contract says (before: a 25-line traceback)
-    (
-        ("def __init__(self, config, hooks, *, rngs):", "def __init__(self, config, *, rngs):"),
-        "fails when built (TypeError: Head.__init__() takes 2 positional arguments but 3 "
-        "positional arguments (and 1 keyword-only argument) were given): each piece is built as "
-        "Piece(config, hooks, rngs=rngs)",
-    ),
-]
-
-
-@pytest.mark.parametrize(
-    "change, message", SHARING, ids=[message.split(" ")[1] for _, message in SHARING]
-)
-def test_sharing_between_pieces_is_tied_or_one_line(change, message, tmp_path, capsys):
-    """Only what TIED names is shared, at the same path, shape and names in both pieces; any
-    other sharing stops the run before anything is compiled, in one line (before: it passed
-    check_model, then fsdp.py crashed after compiling: 'compiled for 67 inputs but called with
-    66')."""
-    old, new = change
-    assert old in TIED_LLAMA, old
-    (tmp_path / "shared.py").write_text(TIED_LLAMA.replace(old, new))
-    assert message in refused(tmp_path / "shared.py", capsys)
-
-
-def test_tie_embeddings_is_the_gpt_s(capsys):
-    """--tie-embeddings ties the GPT's head; a model of yours says what it ties in its file."""
-    assert "says what it ties in TIED" in refused("tests.llama", capsys, "--tie-embeddings")
+def test_a_tie_is_found_and_tie_embeddings_is_the_gpt_s(capsys):
+    """A head that reads the embedding's table is tied, found in the model's code (the part after
+    its blocks reads a parameter the part before reads): stored once, in the embedding's piece;
+    --tie-embeddings ties the GPT's head, and a model of yours ties its own."""
+    config = common.Config(**{**SMALL, "model": "tests.tied_llama"})
+    params = jax.eval_shape(
+        lambda: common.init_params(common.make_model(config), jax.random.key(0))
+    )
+    assert common.make_model(config).tied == ("token/embedding",) and set(params["head"]) == {
+        "norm"
+    }
+    assert "ties its head itself" in refused("tests.llama", capsys, "--tie-embeddings")
 
 
 def test_a_tied_head_costs_its_matmul():

@@ -1,27 +1,21 @@
 """tests/nnx_llama.py with its output head tied to the token embedding, as Gemma's is: the head
-multiplies by the embedding's table (nnx.Embed.attend) instead of a kernel of its own. TIED says
-so: the head's token/embedding is the embedding's, stored once, its gradient the sum of both
-uses. Train it with any script: python fsdp.py --model tests/tied_llama.py
+multiplies by the embedding's table (nnx.Embed.attend) instead of a kernel of its own, stored
+once, its gradient the sum of both uses. Train it with any script:
+python fsdp.py --model tests/tied_llama.py
 """
 
 import jax.numpy as jnp
-from flax import nnx
 
-from tests.nnx_llama import Block, Embed, RMSNorm, _init  # noqa: F401 (Block, Embed: the model's)
-
-TIED = ("token/embedding",)  # the head's parameters that are the embedding's
+from tests import nnx_llama
 
 
-class Head(nnx.Module):
+class Model(nnx_llama.Model):
     def __init__(self, config, hooks, *, rngs):
-        self.norm = RMSNorm(config.d_model, rngs)
-        self.token = nnx.Embed(  # at the path of Embed's table: token/embedding
-            config.vocab_size,
-            config.d_model,
-            embedding_init=_init(("vocab", "embed")),
-            dtype=config.dtype,
-            rngs=rngs,
-        )
+        super().__init__(config, hooks, rngs=rngs)
+        del self.out  # the head reads the token embedding's table instead
 
-    def __call__(self, x):
+    def __call__(self, tokens):
+        x = self.dropout(self.token(tokens))
+        for block in self.blocks:
+            x = block(x)
         return self.token.attend(self.norm(x)).astype(jnp.float32)

@@ -64,24 +64,11 @@ def _failure(error: Exception, origin: str) -> str:
     return f"{place}: {type(error).__name__}: {message[0] if message else ''}"
 
 
-def check_model_file(config: Config):
-    """What a model file declares: Embed, Block and Head modules (common.model_pieces checks),
-    a TIED of paths."""
-    tied, where = common.model_pieces(config).tied, f"--model {config.model}:"
-    if tied != "cut" and not (
-        isinstance(tied, tuple) and all(isinstance(p, str) and p for p in tied)
-    ):
-        raise ConfigError(
-            f"{where} TIED is {tied!r}; it must be a tuple of the paths of the head's parameters "
-            'that are the embedding\'s, e.g. TIED = ("token/embedding",)'
-        )
-
-
 def check_model(config: common.Config):
     """The model contract, checked piece by piece on shapes alone (nothing is computed or
     compiled): ConfigError naming the piece or parameter that breaks it, and what to do; else a
     note if it names no axes."""
-    pieces = common.model_pieces(config)
+    pieces = common.cut_at_blocks(common.model_class(config.model))
     tokens = jax.ShapeDtypeStruct((2, config.seq_len), jnp.int32)
     where = f"--model {config.model}:"
     contract = "(common.py's model contract; README: Your own model and data)"
@@ -94,12 +81,12 @@ def check_model(config: common.Config):
             out = jax.eval_shape(lambda p, x: common.run_piece(made, p, x), made.params, x)
         except Exception as error:  # e.g. a piece that takes other arguments
             raise ConfigError(
-                f"{where} {PIECE[name]} fails when built as {PIECE[name]}(config, hooks, "
-                f"rngs=rngs) and called as piece(x) on its own, as pipeline.py "
-                f"runs each piece: {_failure(error, config.model)} {contract}"
+                f"{where} {PIECE[name]} fails, built as Model(config, hooks, rngs=rngs) and "
+                f"cut at its blocks as the scripts run it: {_failure(error, config.model)} "
+                f"{contract}"
             ) from None
         for path, (shape, names) in _parameter_shapes(made.params).items():
-            parameter = f"{PIECE[name]}'s parameter {path}"
+            parameter = f"parameter {path}"
             named.setdefault(bool(names), parameter)
             if not names:
                 continue
@@ -127,13 +114,13 @@ def check_model(config: common.Config):
         own = aranges(x.shape[1]) and aranges(x.shape[1] + 1)
         return set(called), own
 
-    x, embed = build("embed", pieces.Embed, tokens)
+    x, embed = build("embed", pieces["embed"], tokens)
     if not (isinstance(x, jax.ShapeDtypeStruct) and x.ndim == 3 and x.shape[:2] == tokens.shape):
         raise ConfigError(
-            f"{where} Embed returns {_shape_text(x)} for tokens {_shape_text(tokens)}; it must "
-            f"return activations [batch, length, features] {contract}"
+            f"{where} its blocks get {_shape_text(x)} for tokens {_shape_text(tokens)}; they "
+            f"must get activations [batch, length, features] {contract}"
         )
-    out, block = build("block", pieces.Block, x)
+    out, block = build("block", pieces["block"], x)
     sums = out[1] if isinstance(out, tuple) and len(out) == 2 else None
     if not (
         isinstance(out, tuple)
@@ -146,7 +133,7 @@ def check_model(config: common.Config):
         )
     ):
         raise ConfigError(
-            f"{where} Block returns {_shape_text(out[0] if sums is None else out)} for "
+            f"{where} a block returns {_shape_text(out[0] if sums is None else out)} for "
             f"activations {_shape_text(x)}; it must return activations of the same shape and "
             f"dtype, or (them, a dict of float32 sums) {contract}"
         )
@@ -155,11 +142,11 @@ def check_model(config: common.Config):
     block_hooks, block_own = calls(block, x)
     if "attend" not in block_hooks:
         raise ConfigError(
-            f"{where} Block never calls hooks.attend(q, k, v): attention must go through that "
+            f"{where} a block never calls hooks.attend(q, k, v): attention must go through that "
             "hook, which context_parallel.py replaces with ring attention (each device holds "
             f"pieces of every sequence) {contract}"
         )
-    for name, own in (("Embed", embed_own), ("Block", block_own)):
+    for name, own in ((PIECE["embed"], embed_own), (PIECE["block"], block_own)):
         if own:
             raise ConfigError(
                 f"{where} {name} makes its own token positions or causal mask (an arange along "
@@ -167,29 +154,13 @@ def check_model(config: common.Config):
                 "hooks.attend, the hooks context_parallel.py replaces, where each device holds "
                 f"pieces of every sequence {contract}"
             )
-    logits, head = build("head", pieces.Head, x)
+    logits, head = build("head", pieces["head"], x)
     wanted = jax.ShapeDtypeStruct((*tokens.shape, config.vocab_size), jnp.float32)
     if _shape_text(logits) != _shape_text(wanted):
         raise ConfigError(
-            f"{where} Head returns {_shape_text(logits)}; it must return float32 logits "
+            f"{where} the model returns {_shape_text(logits)}; it must return float32 logits "
             f"{_shape_text(wanted)} (batch, length, --vocab-size) {contract}"
         )
-    # Contract point 4: what the head ties is the embedding's, alike in both
-    alone = {"embed": _parameter_shapes(embed.params), "head": _parameter_shapes(head.params)}
-    for path in tuple(alone["head"]) if pieces.tied == "cut" else pieces.tied:
-        for name in ("head", "embed"):
-            if path not in alone[name]:
-                raise ConfigError(
-                    f"{where} the head ties {path} to the embedding's, but {PIECE[name]} has no "
-                    f"parameter {path}: TIED names parameters at the same path in both, e.g. "
-                    f'the head\'s self.token = nnx.Embed(...) ties "token/embedding" {contract}'
-                )
-        if alone["head"][path] != alone["embed"][path]:
-            raise ConfigError(
-                f"{where} the head ties {path} {alone['head'][path]} to the embedding's "
-                f"{alone['embed'][path]}: a tied parameter has one shape and one set of axis "
-                f"names {contract}"
-            )
     if meshed:  # split as named by the scripts that lay parameters out by name, the rest whole
         split = ", ".join(f"{p.split()[-1]} over {a}" for p, a in list(meshed.items())[:2])
         whole = f", {named[False].split()[-1]} whole, ..." if False in named else ""
@@ -292,7 +263,7 @@ def suggestions(config) -> str:
     return line + f"; {', '.join(nameless)} {declare} 'mlp')" * bool(nameless)
 
 
-PIECE = {"embed": "Embed", "block": "Block", "head": "Head"}
+PIECE = {"embed": "the model before its blocks", "block": "a block", "head": "the model after them"}
 called = []  # the hooks the pieces called while check_model traced them
 
 
@@ -404,7 +375,6 @@ def main(argv=None):
     try:
         common.start_devices(config)
         config.validate()
-        check_model_file(config)
         note = check_model(config)
         data = check_dataset(config)
         traced = check_scripts(config)
