@@ -128,26 +128,20 @@ def check_ranges(c: TrainingConfig):
 
 
 # ----------------------------------------------------------------------------------------------
-# Model. The scripts train any model: the GPT-2-style decoder below, or yours (--model;
-# tools/check.py checks it on shapes alone). Its contract, in Flax NNX:
-#   1. One nnx.Module (a class or a function) made by Model(config, hooks, rngs=rngs), called as
-#      model(tokens) on int32 [batch, length], returning float32 logits [batch, length,
-#      --vocab-size]; its blocks in self.blocks (or its one list, nnx.List or nnx.Sequential of
-#      --layers modules), each activations -> activations alike, or (them, a dict of float32 sums
-#      over its rows for the metrics, 'aux_loss_sum' joining the loss). The scripts cut it there
-#      (cut_at_blocks). Linen layers come in through nnx.bridge (tests/llama.py). config is the
-#      flags: what the model ignores stops the run.
-#   2. Parameters name their axes, nnx.with_partitioning(init, names), e.g. ("embed", "mlp"), or
-#      the mesh axes they are split over, P(None, "model") (the rest whole), for the scripts that
-#      lay them out by name: pjit_tp.py, logical_pjit.py, explicit_sharding.py.
-#   3. Attention goes through hooks.attend(q, k, v) (q [batch, length, heads, head_dim]; k, v as
-#      many or fewer heads; causal; nnx.MultiHeadAttention's causal attention does), positions
-#      come from hooks.positions(length); a mixture of experts reaches them through
-#      hooks.to_experts or .dropless, its sequence .whole_sequence. No layout of its own on the
-#      activations (reshard, out_sharding) but logical constraints: the scripts lay them out.
-#   4. No state but parameters and nnx.Dropout's, seeded per call, off when `deterministic` (as
-#      nnx.view sets it). A head that reads the embedding's table is tied (found, not declared).
-# Activations carry logical constraints, inert without a script's rules (sequence parallelism).
+# Model. The scripts train any model, the GPT-2-style decoder below or yours (--model;
+# tools/check.py checks it on shapes alone; docs/your_model.md). Its contract, in Flax NNX:
+#   1. An nnx.Module made by Model(config, hooks, rngs=rngs), whose model(tokens [batch, length])
+#      is float32 logits [batch, length, --vocab-size]; config is the flags (what it ignores
+#      stops the run); its blocks in self.blocks (or its one list, nnx.List or nnx.Sequential
+#      of --layers), each activations -> activations alike, or (them, a dict of float32 sums
+#      for the metrics, 'aux_loss_sum' joining the loss). The scripts cut it there.
+#   2. Parameters name their axes, nnx.with_partitioning(init, names) (logical names, or the
+#      mesh axes they are split over, P(None, "model")), for the scripts that lay them out by name.
+#   3. Attention goes through hooks.attend(q, k, v) (nnx.MultiHeadAttention's causal attention
+#      does), positions come from hooks.positions(length), a mixture of experts reaches them
+#      through hooks.to_experts or .dropless; activations carry logical constraints, no layout
+#      of their own (reshard, out_sharding): the scripts lay them out.
+#   4. No state but parameters and nnx.Dropout's, off when `deterministic`.
 # ----------------------------------------------------------------------------------------------
 
 
@@ -401,43 +395,27 @@ class _Blocks(list):
         return self[0](x)
 
 
-class _Reached(BaseException):  # not an Exception: a model's own `except Exception` lets it by
-    """The activations a whole model gives its first block."""
-
-
-_blocks_p = jax.extend.core.Primitive("blocks")  # where a whole model's blocks run, in its jaxpr
-_blocks_p.def_abstract_eval(lambda *args: args[-1])
+_blocks_p = jax.extend.core.Primitive("blocks")  # where a model's blocks run, in its jaxpr
+_blocks_p.def_abstract_eval(lambda *args: args[-1])  # typed as the activations given, if any
 
 
 @functools.cache  # one class per model's: equal graphs, equal classes
 def _top(model_class, name):
     class Top(model_class):  # the model less its blocks
         def __call__(self, x):  # tokens: what its first block gets; activations: from the last
-            if x.ndim == 2:
-                setattr(self, name, _Blocks([_reached]))
-                try:
-                    model_class.__call__(self, x)
-                except _Reached as reached:
-                    return reached.args[0]
-                finally:
-                    delattr(self, name)
-                require(False, "model", f"{model_class.__name__} never calls its blocks")
-            closed, leaves = cut_jaxpr(self, x.shape[:2], x)
-            after = halves(closed, len(leaves))[1][0]
-            return jax.extend.core.jaxpr_as_fun(after)(*leaves, x)[0]
+            tokens = x if x.ndim == 2 else jax.ShapeDtypeStruct(x.shape[:2], jnp.int32)
+            closed, leaves = cut(self, tokens, *[x][: x.ndim - 2])
+            part, _ = halves(closed, len(leaves))[x.ndim - 2]
+            return jax.extend.core.jaxpr_as_fun(part)(*leaves, x)[0]
 
     Top.__name__ = Top.__qualname__ = model_class.__name__  # what errors name: the user's class
     Top.blocks_at = name
     return Top
 
 
-def _reached(x):
-    raise _Reached(x)
-
-
-def cut_jaxpr(top, tokens_shape, x=None):
-    """A whole model's jaxpr on tokens of `tokens_shape`, its blocks one marker (_blocks_p: its
-    output typed as x, if given), and its state's leaves: the parameters' (a dict's), the rest."""
+def cut(top, tokens, *x):
+    """A model less its blocks as a jaxpr on `tokens` (or their shape), a marker (_blocks_p) where
+    its blocks run, typed as x if given; and its state's leaves, its first inputs."""
     graphdef, params, rest = nnx.split(top, nnx.Param, ...)
     params, model_class = nnx.to_pure_dict(params), type(top).__mro__[1]
 
@@ -446,24 +424,30 @@ def cut_jaxpr(top, tokens_shape, x=None):
         setattr(model, type(top).blocks_at, _Blocks([lambda y: _blocks_p.bind(y, *x)]))
         return model_class.__call__(model, tokens)
 
-    tokens, x = jax.ShapeDtypeStruct(tokens_shape, jnp.int32), () if x is None else (x,)
     return jax.make_jaxpr(whole)(params, rest, tokens, *x), jax.tree.leaves((params, rest))
 
 
 def halves(closed, leaves: int):
     """A cut jaxpr's part before its blocks (its inputs -> theirs) and after them (its first
     `leaves` inputs, the state's, and the blocks' output -> its own), each with the indices of the
-    state's leaves it reads."""
-    jaxpr, Var = closed.jaxpr, jax.extend.core.Var
+    state's leaves it reads; an effect (a debug callback) goes with the values it reads."""
+    jaxpr = closed.jaxpr
+    named = lambda vs: {v for v in vs if isinstance(v, jax.extend.core.Var)}  # noqa: E731 (no literals)
     marks = [e for e in jaxpr.eqns if e.primitive is _blocks_p]
     require(len(marks) == 1, "model", f"runs its blocks {len(marks)} times a call, not once")
-    (mark,), state, parts = marks, jaxpr.invars[:leaves], []
-    for outs, given in ((mark.invars[:1], jaxpr.invars), (jaxpr.outvars, [*state, *mark.outvars])):
-        needed, kept = {v for v in outs if isinstance(v, Var)}, []
+    (mark,), state, parts, later = marks, jaxpr.invars[:leaves], [], set(marks[0].outvars)
+    for e in jaxpr.eqns:  # the values the blocks' output reaches
+        later |= set(e.outvars) if later & named(e.invars) else set()
+    for after, outs, given in (
+        (False, mark.invars[:1], jaxpr.invars),
+        (True, jaxpr.outvars, [*state, *mark.outvars]),
+    ):
+        needed, kept = named(outs), []
         for e in reversed(jaxpr.eqns):
-            if e is not mark and needed & set(e.outvars):
+            effect = e.effects and bool(later & named(e.invars)) == after
+            if e is not mark and (needed & set(e.outvars) or effect):
                 kept.append(e)
-                needed |= {v for v in e.invars if isinstance(v, Var)}
+                needed |= named(e.invars)
         part = jaxpr.replace(invars=given, outvars=list(outs), eqns=kept[::-1])
         reads = {i for i, v in enumerate(state) if v in needed}
         parts.append((jax.extend.core.ClosedJaxpr(part, closed.consts), reads))
@@ -492,11 +476,11 @@ class Model:
         parameters that half reads (the embedding also those neither does)."""
         c, hooks = self.config, self.hooks
         defs = {name: PieceDef.of(name, p, c, hooks) for name, p in self.pieces.items()}
-        top = defs["embed"]
-        module = nnx.merge(top.graphdef, top.params, top.streams)
-        closed, leaves = cut_jaxpr(module, (1, c.seq_len))
-        shapes = flatten_dict(nnx.to_pure_dict(top.params))
-        paths = [tuple(k.key for k in p) for p, _ in tree_leaves_with_path(unflatten_dict(shapes))]
+        top, tokens = defs["embed"], jax.ShapeDtypeStruct((1, c.seq_len), jnp.int32)
+        plain = PieceDef.of("embed", self.pieces["embed"], c, Hooks())  # outside any mesh
+        closed, leaves = cut(nnx.merge(plain.graphdef, plain.params, plain.streams), tokens)
+        shapes = flatten_dict(params := nnx.to_pure_dict(top.params))
+        paths = [tuple(k.key for k in path) for path, _ in tree_leaves_with_path(params)]
         reads = (reads for _, reads in halves(closed, len(leaves)))
         before, after = ({paths[i] for i in part if i < len(paths)} for part in reads)
         kept = {"embed": set(paths) - (after - before), "head": after}
@@ -1213,10 +1197,9 @@ def host_batch(dataset, config: TrainingConfig, step: int, split: str = "train")
 # ----------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def model_class(name: str) -> Callable:
+def model_class(config: TrainingConfig) -> Callable:
     """The model --model names: the GPT, or the Model of a file or module of yours."""
-    if name == "gpt":  # the one built in
+    if (name := config.model) == "gpt":  # the one built in
         return GPT
     make, eg = getattr(model_module(name), "Model", None), "e.g. --model gpt"
     require(callable(make), "model", f"{name} defines no Model(config, hooks, rngs=rngs), {eg}")
@@ -1287,7 +1270,7 @@ def make_model(config: TrainingConfig, wrap: Callable | None = None, hooks=Hooks
     if attend is causal_attention:
         attend = functools.partial(causal_attention, implementation=attention_kernel(config))
     hooks = dataclasses.replace(hooks, attend=functools.partial(as_flagged, attend, config))
-    return Model(config, model_class(config.model), wrap, hooks)
+    return Model(config, model_class(config), wrap, hooks)
 
 
 def as_flagged(attend, config: TrainingConfig, q, k, v):
@@ -1628,7 +1611,7 @@ class Config(TrainingConfig):
     def validate(self):
         """Raise ConfigError naming the first bad flag; a script adds its flags' checks."""
         check_flags(self)
-        model_class(self.model)  # a --model that cannot be loaded is bad input too
+        model_class(self)  # a --model that cannot be loaded is bad input too
         check_honoured(self)
 
 

@@ -120,7 +120,7 @@ class Config(common.Config):
             return jnp.arange(length)
 
         hooks = common.Hooks(attend=attend, positions=places)
-        model = common.Model(self, common.model_class(self.model), hooks=hooks)
+        model = common.Model(self, common.model_class(self), hooks=hooks)
         params = jax.eval_shape(lambda: common.init_params(model, jax.random.key(0)))
         jax.eval_shape(model, params, jax.ShapeDtypeStruct((1, self.seq_len), jnp.int32))
         missing = " or hooks.".join(sorted({"attend(q, k, v)", "positions(length)"} - called))

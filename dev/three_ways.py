@@ -117,9 +117,12 @@ def megatron(specs):
     def wrap(run):
         def run_on_shards(piece, params, x, rng):
             module = common.merge(piece, params, rng)
-            place = {"embed": "embed", "block": "block_0", "head": "head"}[piece.name]
+            places = ["block_0"] if piece.name == "block" else ["embed", "head"]  # the model's
             for path, layer in list(nnx.iter_modules(module)):
-                name = "/".join((place, *map(str, path)))
+                names = ["/".join((place, *map(str, path))) for place in places]
+                name = next(
+                    (n for n in names if {f"{n}/kernel", f"{n}/embedding"} & set(specs)), names[0]
+                )
                 if isinstance(layer, nnx.Linear):
                     split = split_over(specs[f"{name}/kernel"], "model")
                     layer.dot_general = functools.partial(matmul, split, name == "head/out")

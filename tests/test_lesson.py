@@ -28,7 +28,7 @@ DECAYED = {
     "gpt": {f"block_0/{p}" for p in BLOCK}
     | {"embed/token/embedding", "embed/position/embedding", "head/out/kernel"},
     "llama": {f"block_0/{p}/kernel" for p in ("q", "kv", "o", "gate", "up", "down")}
-    | {"embed/token/embedding", "head/out/kernel"},
+    | {"embed/embed/token/embedding", "head/head/out/kernel"},  # its pieces: embed, blocks, head
 }
 DECAYED["moe"] = DECAYED["gpt"] | {
     "block_0/mlp/router/kernel",
@@ -38,7 +38,7 @@ DECAYED["moe"] = DECAYED["gpt"] | {
 NORMS = {f"{p}/{w}" for p in ("block_0/ln1", "block_0/ln2", "head/ln_f") for w in ("scale", "bias")}
 KEPT = {
     "gpt": NORMS | {f"block_0/{p}/bias" for p in ("attn/out", "mlp/fc1", "mlp/fc2")},
-    "llama": {"block_0/attn_norm/scale", "block_0/mlp_norm/scale", "head/norm/scale"},
+    "llama": {"block_0/attn_norm/scale", "block_0/mlp_norm/scale", "head/head/norm/scale"},
 }
 KEPT["moe"] = KEPT["gpt"] | {
     "block_0/mlp/router_bias",

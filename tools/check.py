@@ -68,7 +68,7 @@ def check_model(config: common.Config):
     """The model contract, checked piece by piece on shapes alone (nothing is computed or
     compiled): ConfigError naming the piece or parameter that breaks it, and what to do; else a
     note if it names no axes."""
-    pieces = common.cut_at_blocks(common.model_class(config.model))
+    pieces = common.cut_at_blocks(common.model_class(config))
     tokens = jax.ShapeDtypeStruct((2, config.seq_len), jnp.int32)
     where = f"--model {config.model}:"
     contract = "(common.py's model contract; README: Your own model and data)"
