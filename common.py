@@ -399,14 +399,29 @@ _blocks_p = jax.extend.core.Primitive("blocks")  # where a model's blocks run, i
 _blocks_p.def_abstract_eval(lambda *args: args[-1])  # typed as the activations given, if any
 
 
+class _Reached(BaseException):  # not an Exception: a model's own `except Exception` lets it by
+    """The activations a model gives its first block."""
+
+
+def _reached(x):
+    raise _Reached(x)
+
+
 @functools.cache  # one class per model's: equal graphs, equal classes
 def _top(model_class, name):
     class Top(model_class):  # the model less its blocks
         def __call__(self, x):  # tokens: what its first block gets; activations: from the last
-            tokens = x if x.ndim == 2 else jax.ShapeDtypeStruct(x.shape[:2], jnp.int32)
-            closed, leaves = cut(self, tokens, *[x][: x.ndim - 2])
-            part, _ = halves(closed, len(leaves))[x.ndim - 2]
-            return jax.extend.core.jaxpr_as_fun(part)(*leaves, x)[0]
+            if x.ndim == 2:  # run to its first block, the rest never traced
+                setattr(self, name, _Blocks([_reached]))
+                try:
+                    model_class.__call__(self, x)
+                except _Reached as reached:
+                    return reached.args[0]
+                finally:
+                    delattr(self, name)
+            closed, leaves = cut(self, jax.ShapeDtypeStruct(x.shape[:2], jnp.int32), x)
+            after, _ = halves(closed, len(leaves))[1]
+            return jax.extend.core.jaxpr_as_fun(after)(*leaves, x)[0]
 
     Top.__name__ = Top.__qualname__ = model_class.__name__  # what errors name: the user's class
     Top.blocks_at = name
