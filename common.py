@@ -511,10 +511,8 @@ class Model:
     @functools.cached_property
     def tied(self) -> tuple:
         """The paths of the head's parameters that the embedding holds: read by both halves."""
-        embed, head = (
-            flatten_dict(nnx.to_pure_dict(self.defs[n].params)) for n in ("embed", "head")
-        )
-        return tuple("/".join(map(str, p)) for p in head if p in embed)
+        held = {n: flatten_dict(nnx.to_pure_dict(self.defs[n].params)) for n in ("embed", "head")}
+        return tuple("/".join(map(str, p)) for p in held["head"] if p in held["embed"])
 
     def __call__(self, params, tokens, rng=None):
         c, defs, run = self.config, self.defs, self.wrap(run_piece) if self.wrap else run_piece
