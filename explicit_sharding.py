@@ -294,7 +294,7 @@ def explicit_layout(batch_axes, sequence=None):
         def run_explicit(piece, params, x, rng):
             module = common.merge(piece, gather_for_use(params, batch_axes), rng)
             if any(isinstance(m, bridge.ToNNX) for _, m in nnx.iter_modules(module)):
-                return laid_out_inside(module, x, batch_axes)
+                return common.call(piece, lambda x: laid_out_inside(module, x, batch_axes), x)
             state_layouts(module, sequence)
             if sequence and jnp.issubdtype(x.dtype, jnp.floating):  # the residual stream
                 # split along the sequence; the head's input gathered whole, for whatever
