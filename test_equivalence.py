@@ -109,11 +109,9 @@ def is_adam(x):
     return isinstance(x, optax.ScaleByAdamState)
 
 
-@functools.cache
-def reference(**overrides):
-    """The same training, with no parallelism at all: plain jax.jit on one device."""
-    config = common.Config(**{**SMALL, **EVAL, **overrides})
-    dataset = common.load_dataset(config)
+def one_device(config):
+    """The reference's initial state and its step: plain jax.jit on one device, which also says of
+    each parameter element whether its Adam steps stayed insensitive to rounding (CONDITIONED)."""
     state = jax.jit(functools.partial(common.create_state, config, common.make_model(config)))()
 
     @jax.jit
@@ -145,6 +143,16 @@ def reference(**overrides):
             v,
         )
         return state, {**metrics, "grad_norm": norm}, conditioned
+
+    return state, train_step
+
+
+@functools.cache
+def reference(**overrides):
+    """The same training, with no parallelism at all: plain jax.jit on one device."""
+    config = common.Config(**{**SMALL, **EVAL, **overrides})
+    dataset = common.load_dataset(config)
+    state, train_step = one_device(config)
 
     @jax.jit
     def held_out(state, batch):  # the summed losses of a batch
@@ -527,19 +535,6 @@ def test_a_model_written_whole_matches(name, monkeypatch):
 # (nnx.LinearGeneral's kernels in the matmul hook, its mesh axes, its cut nnx.Sequential);
 # -m full: every script and preset but the three that split the sequence over 'model', which it
 # splits its features over (one line refuses them: test_command_line).
-MINIGPT = {"model": "tests.minigpt"}
-DOCS_SEQUENCE = ["explicit_tp_sp", *NO_SEQUENCE_NAMES]
-
-
-@pytest.mark.parametrize(
-    "name", matrix([n for n in DENSE if n not in DOCS_SEQUENCE], ["explicit_fsdp_tp"])
-)
-def test_the_flax_docs_gpt_matches(name):
-    """tests/minigpt.py through every script and preset, as its own parameters' annotations lay
-    it out where the script lays out by name, against one device training it."""
-    compare(name, run_uncached(name, **MINIGPT), reference(**MINIGPT, **model_flags(name)), MINIGPT)
-
-
 def test_dropless_trains_as_a_capacity_with_room_for_every_token():
     """Dropless routing (grouped by expert) against one-hot dispatch into a capacity of the whole
     sequence (--capacity-factor E / k), both on one device: no token dropped by either, the same
