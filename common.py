@@ -1778,8 +1778,8 @@ class StopSignals:
     several processes, JAX's preemption service says at which step, the same on every one."""
 
     def __init__(self):
-        self.stopping = False
-        handled = [signal.SIGINT] + [signal.SIGTERM] * (jax.process_count() == 1)
+        self.stopping, alone = False, jax.process_count() == 1
+        handled = [signal.SIGINT] + [signal.SIGTERM] * alone
         self.handlers = {s: signal.signal(s, self.stop) for s in handled}
 
     def stop(self, signum, frame):
@@ -1811,21 +1811,19 @@ def eval_due(config: Config, step: int) -> bool:
     return bool(config.eval_every) and (step + 1) % config.eval_every == 0
 
 
-def stop_if_not_finite(what: str, value):
-    """The run's one stop, which the loop calls: exit, saving nothing, unless `value` (a number
-    or a tree of global arrays) is finite."""
-    if not (math.isfinite(value) if isinstance(value, float) else all_finite(value)):
-        why = "a token id past --vocab-size (tools/check.py --dataset) or too high an --lr?"
-        raise SystemExit(f"stopped: {what} is not finite; not saved ({why})")
+def not_saved(what: str) -> str:
+    """Why the loop stops, saving nothing, when `what` (a loss, the state) is not finite."""
+    why = "a token id past --vocab-size (tools/check.py --dataset) or too high an --lr?"
+    return f"stopped: {what} is not finite; not saved ({why})"
 
 
-def all_finite(tree) -> bool:
+def finite(tree) -> bool:
     """Whether every float in a tree of global arrays is (the same answer on every process)."""
     leaves = [x for x in jax.tree.leaves(tree) if jnp.issubdtype(x.dtype, jnp.floating)]
-    return not leaves or host_value(_all_finite(leaves)) == 1
+    return not leaves or host_value(_finite(leaves)) == 1
 
 
-_all_finite = jax.jit(lambda leaves: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves])))
+_finite = jax.jit(lambda leaves: jnp.all(jnp.stack([jnp.isfinite(x).all() for x in leaves])))
 
 
 class Checkpoints:
@@ -1836,9 +1834,8 @@ class Checkpoints:
 
     def __init__(self, config: Config, to_saved=lambda s: s, from_saved=lambda saved, s: saved):
         self.config, self.to_saved, self.from_saved = config, to_saved, from_saved
-        self.checkpointer = None
+        self.checkpointer, when = None, ocp.training.save_decision_policies
         if config.checkpoint_dir:
-            when = ocp.training.save_decision_policies
             every, last = when.FixedIntervalPolicy(config.checkpoint_every), [config.steps]
             self.checkpointer = ocp.training.Checkpointer(
                 os.path.abspath(config.checkpoint_dir),
@@ -1857,7 +1854,7 @@ class Checkpoints:
         like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
         try:
             saved = self.checkpointer.load(step, jax.tree.map(like, self.to_saved(state)))
-            problem = None if all_finite(saved) else "it holds non-finite values"
+            problem = None if finite(saved) else "it holds non-finite values"
         except Exception as error:  # Orbax's errors have no common type
             problem = one_line(error)
         if problem:
@@ -1875,8 +1872,9 @@ class Checkpoints:
     def save(self, step: int, state, stopping: bool = False):
         """Save the state after step `step` in the background, with the flags it was made by."""
         flags = {"flags": {n: getattr(self.config, n) for n in SHAPE_FLAGS + TRAJECTORY_FLAGS}}
-        saved = self.to_saved(state)
-        self.checkpointer.save_async(step + 1, saved, force=True, custom_metadata=flags)
+        self.checkpointer.save_async(
+            step + 1, self.to_saved(state), force=True, custom_metadata=flags
+        )
         if stopping:
             log_print(f"stopped: saved the checkpoint of step {step + 1}")
 

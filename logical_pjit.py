@@ -312,8 +312,8 @@ def main(config):
             state, metrics = compiled(state, batch)
             log.log(step, metrics, waited)
             if common.log_due(config, step):  # checked as often as printed: a check waits
-                loss = common.host_value(metrics["loss_sum"])  # summed over every device
-                common.stop_if_not_finite(f"the loss at step {step + 1}", loss)
+                if not common.finite(metrics["loss_sum"]):  # summed over every device
+                    raise SystemExit(common.not_saved(f"the loss at step {step + 1}"))
             if common.eval_due(config, step):
                 with (
                     jax.set_mesh(mesh),
@@ -322,7 +322,8 @@ def main(config):
                     log.eval(step, eval_fn, state, eval_data)
             stopping = stop.requested(step)  # the same step on every process
             if checkpoints.due(step, stopping):  # a policy's step, or the run stops
-                common.stop_if_not_finite(f"the state after step {step + 1}", state)
+                if not common.finite(state):
+                    raise SystemExit(common.not_saved(f"the state after step {step + 1}"))
                 checkpoints.save(step, state, stopping)
             if stopping:
                 break
