@@ -4,30 +4,26 @@ data.
 What is where: the global batch is split by rows over the mesh axis 'data' (P('data')). The
 blocks, stacked along a layer axis as --scan-layers stacks them, are split over 'stage'
 (P(None, 'stage'), --mesh data=2,stage=4): each device holds one stage's contiguous blocks and
-their Adam moments (interleaved: groups s, s + stages, ... of --virtual-stages times as many,
-smaller groups). The embedding runs on the first stage and the head on the last; between steps
-they and their Adam moments are split over 'stage' too (at GPT-2's vocabulary they are most of
-the model), gathered whole for the step, their gradients reduce-scattered.
-A step: each device cuts its rows into --microbatches micro-batches that flow through the
-stages, as a table made on the host says (make_schedule; --show-schedule prints it): which
-micro-batch each stage runs forward or backward at each tick. GPipe runs every forward, then
-every backward; 1F1B starts backwards once the pipeline is full, keeping at most `stages`
-micro-batches in flight; zero-bubble (ZB-H1) splits each backward into the input's gradient,
-which the previous stage waits for, and the weights' gradient, which fills the ticks 1F1B
-leaves idle; interleaved (Megatron's) runs 1F1B over the smaller groups, each micro-batch going
-round the ring of stages --virtual-stages times, so filling and draining take ticks of a group.
-After each tick every stage passes its output forward and its input's gradient back (ppermute).
-A stage keeps only a micro-batch's input between its forward and its backward, which runs
-jax.vjp of the stage on it (recomputing it, as --remat does); zero-bubble's B keeps each dense
-layer's input and output gradient for its W (x^T dy): the two cost one backward.
+their Adam moments (interleaved: --virtual-stages times as many, smaller groups: s, s + stages,
+...). The embedding runs on the first stage and the head on the last; between steps they too are
+split over 'stage' (at GPT-2's vocabulary they are most of the model), gathered for the step.
+A step: each device cuts its rows into --microbatches micro-batches that flow through the stages
+as a table made on the host says (make_schedule; --show-schedule prints it). GPipe runs every
+forward, then every backward; 1F1B starts backwards once the pipeline is full, keeping at most
+`stages` micro-batches in flight; zero-bubble (ZB-H1) splits each backward into the input's
+gradient, which the previous stage waits for, and the weights', which fills the ticks 1F1B leaves
+idle; interleaved (Megatron's) runs 1F1B over the smaller groups, each micro-batch going round
+the ring of stages --virtual-stages times, so filling and draining take ticks of a group. After
+each tick every stage passes its output forward and its input's gradient back (ppermute). A
+stage keeps only a micro-batch's input for its backward, jax.vjp of the stage on it (recomputed,
+as --remat does); zero-bubble's B keeps each dense layer's input and output gradient for its W.
 Collectives per step: two collective-permutes a tick between neighbouring stages; an all-gather
-over 'stage' of the embedding and head and a reduce-scatter of their gradients (together an
-all-reduce's bytes); an all-reduce over 'data' of all gradients, as in data parallelism.
+over 'stage' of the embedding and head and a reduce-scatter of their gradients; an all-reduce
+over 'data' of all gradients, as in data parallelism.
 
 What changes from shardmap_dp.py: the parameters are split over 'stage' instead of replicated, and
-the step is no longer one forward and one backward of the whole model: it is a schedule of
-per-stage forwards and backwards over micro-batches, with activations and gradients sent
-between stages, and each stage's gradient made by jax.vjp of its own part of the model.
+the step is a schedule of per-stage forwards and backwards over micro-batches, activations and
+gradients sent between stages, each stage's gradient made by jax.vjp of its own part of the model.
 
 Run:
   python pipeline.py                     # a laptop: 8 emulated CPU devices, data=2,stage=4
@@ -138,34 +134,28 @@ class Config(common.Config):
 
 def make_mesh(config):
     shape = config.mesh_axes()
-    # Auto axes, not JAX's default Explicit ones: to_saved and from_saved (below) slice the
-    # stacked blocks along 'stage' outside shard_map, where Explicit axes would refuse to guess
-    # each slice's sharding (they ask for an out_sharding); under Auto the compiler places them.
+    # Auto axes: to_saved and from_saved slice the stacked blocks outside shard_map, where
+    # Explicit axes would ask for each slice's out_sharding; under Auto the compiler places them.
     return common.make_mesh(shape, jax.sharding.AxisType.Auto)
 
 
 BATCH_SPEC = P("data")  # rows split over 'data'
-# What a stage does at a tick. BACKWARD is the whole backward of a micro-batch; zero-bubble
-# splits it into INPUT_GRAD (the gradient of the stage's input, which the previous stage waits
-# for) and WEIGHT_GRAD (the gradient of its parameters, which nobody waits for).
+# What a stage does at a tick. Zero-bubble splits BACKWARD into INPUT_GRAD (the gradient of the
+# stage's input, which the previous stage waits for) and WEIGHT_GRAD (its parameters').
 OPS = IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
-# The columns of the schedule's table (make_schedule): what a stage runs, on which micro-batch
-# and group of layers; the slots of its buffers it reads its input and its output's gradient
-# from; the slots an activation and a gradient arriving at the end of the tick go into.
-OP, MICROBATCH, VIRTUAL, INPUT_SLOT, GRADIENT_SLOT, INPUT_ARRIVES, GRADIENT_ARRIVES = range(7)
-# What passes between stages, and the table's columns for each: (where it is read, where it
-# arrives).
+# The table's columns: what a stage runs, on which micro-batch and group; the slots it reads its
+# input and output gradient from, those arriving at the tick's end go into, and INPUT_GRAD's kept.
+OP, MICROBATCH, VIRTUAL, INPUT_SLOT, GRADIENT_SLOT, INPUT_ARRIVES, GRADIENT_ARRIVES, KEPT = range(8)
+# What passes between stages: (the column it is read from, the column it arrives in)
 COLUMNS = {"input": (INPUT_SLOT, INPUT_ARRIVES), "gradient": (GRADIENT_SLOT, GRADIENT_ARRIVES)}
 
 
 def stage_order(kind, stages, microbatches, s, virtual=1):
     """Stage s's work in order: (op, v, m), op on micro-batch m of its v-th group of layers (the
-    model's chunk v * stages + s; v is 0 but interleaved). GPipe: every forward, then every
-    backward. 1F1B: stages - s - 1 forwards to fill the pipeline, then a forward and a backward
-    in turn, so at most stages - s micro-batches wait for their backward on stage s. Zero-bubble:
-    1F1B's, INPUT_GRAD for BACKWARD (make_schedule places the WEIGHT_GRADs). Interleaved
-    (Megatron's, PyTorch's ScheduleInterleaved1F1B): (virtual - 1) * stages + 2 * (stages - s - 1)
-    forwards first, the groups taking `stages` micro-batches in turn, backwards from the last."""
+    model's chunk v * stages + s). GPipe: every forward, then every backward. 1F1B: stages - s - 1
+    forwards, then a forward and a backward in turn (zero-bubble: INPUT_GRAD for BACKWARD).
+    Interleaved (Megatron's): (virtual - 1) * stages + 2 * (stages - s - 1) forwards first, the
+    groups taking `stages` micro-batches in turn, backwards from the last."""
     if kind == "gpipe":
         return [(op, 0, m) for op in (FORWARD, BACKWARD) for m in range(microbatches)]
     total, back = virtual * microbatches, INPUT_GRAD if kind == "zero-bubble" else BACKWARD
@@ -182,19 +172,12 @@ def stage_order(kind, stages, microbatches, s, virtual=1):
 
 
 def make_schedule(kind, stages, microbatches, virtual=1):
-    """The schedule as data: table[t, s] = (op, m, v, input slot, gradient slot, arriving input's
-    slot, arriving gradient's slot): at tick t stage s runs `op` on micro-batch m of its group v,
-    reading its input and its output's gradient from those slots of its buffers (-1: none: the
-    first group reads the tokens, the last's gradient is the loss's), and at the end of the tick
-    receives an activation from the previous stage and a gradient from the next into the
-    arriving slots (-1: none); interleaved, the last stage sends on to the first, and back.
-
-    Each stage runs stage_order's operations in turn, each at the first tick its input is there:
-    a forward once the previous group's forward of m ran (at an earlier tick), a backward once
-    the next group's backward of m did (the last group's: its own forward). Zero-bubble (ZB-H1,
-    Qi et al. 2023): a stage that cannot run its next operation runs the oldest WEIGHT_GRAD it
-    owes instead of idling, and holds at most `stages` micro-batches between a forward and its
-    WEIGHT_GRAD (1F1B's most, on its first stage)."""
+    """The schedule as data, table[tick, stage] = the columns above (-1: none; the first group
+    reads the tokens, the last's gradient is the loss's). Each stage runs stage_order's operations
+    in turn, each at the first tick its input is there (the previous group's forward of m, or the
+    next group's backward; the last group's: its own forward). Zero-bubble (ZB-H1, Qi et al.
+    2023): a stage that would idle runs the oldest WEIGHT_GRAD it owes, holding at most `stages`
+    micro-batches between a forward and its WEIGHT_GRAD (1F1B's most)."""
     chunks = stages * virtual
     orders = [stage_order(kind, stages, microbatches, s, virtual) for s in range(stages)]
     ran = {}  # (FORWARD or BACKWARD, chunk, m) -> the tick it ran at (INPUT_GRAD as BACKWARD)
@@ -205,10 +188,8 @@ def make_schedule(kind, stages, microbatches, virtual=1):
         for s in range(stages):
             op, v, m = orders[s][0] if orders[s] else (IDLE, 0, -1)
             c = v * stages + s
-            # What it waits for: the previous group's forward, or the next group's backward (the
-            # last group's: its own forward)
             after = (FORWARD, c - 1) if op == FORWARD else (FORWARD, c) if c == chunks - 1 else None
-            after = after or (BACKWARD, c + 1)
+            after = after or (BACKWARD, c + 1)  # what it waits for
             ready = op != IDLE and (op != FORWARD or held[s] < most)
             if not (ready and (after[1] < 0 or ran.get((*after, m), t) < t)):
                 op, v, m = (WEIGHT_GRAD, *owed[s][0]) if owed[s] else (IDLE, 0, -1)  # or idles
@@ -223,54 +204,45 @@ def make_schedule(kind, stages, microbatches, virtual=1):
 
 
 def place_in_slots(rows, stages, virtual):
-    """The table of make_schedule from each tick's (op, v, m) per stage: where each activation
-    and each gradient that arrives is kept until its last use, the lowest slot free then."""
-    chunks, last = stages * virtual, {BACKWARD, WEIGHT_GRAD}
-    table = np.full((len(rows), stages, 7), -1, np.int32)
-    slots = {}  # (what, stage, v, m) -> the slot holding it; what: "input" or "gradient"
+    """The table from each tick's (op, v, m) per stage: each activation and gradient that arrives,
+    and what an INPUT_GRAD keeps, in the lowest slot free until its last use."""
+    chunks, table, slots = stages * virtual, np.full((len(rows), stages, 8), -1, np.int32), {}
+
+    def take(what, s, v, m):  # the lowest of stage s's slots for `what` free now
+        taken = {slot for (w, stage, *_), slot in slots.items() if (w, stage) == (what, s)}
+        slots[what, s, v, m] = min(set(range(len(taken) + 1)) - taken)
+        return slots[what, s, v, m]
+
     for t, row in enumerate(rows):
         arriving = []  # (what, stage, v, m), sent at this tick
         for s, (op, v, m) in enumerate(row):
-            c = v * stages + s
+            c, last = v * stages + s, op in (BACKWARD, WEIGHT_GRAD)
             table[t, s, [OP, MICROBATCH, VIRTUAL]] = op, m, v
-            if op == IDLE:
-                continue
             for what, (read, _) in COLUMNS.items():
-                table[t, s, read] = slots.get((what, s, v, m), -1)
-                if op in last:
-                    slots.pop((what, s, v, m), None)
+                table[t, s, read] = (slots.pop if last else slots.get)((what, s, v, m), -1)
+            if op == INPUT_GRAD:  # what its WEIGHT_GRAD reads
+                table[t, s, KEPT] = take("kept", s, v, m)
+            if op == WEIGHT_GRAD:
+                table[t, s, KEPT] = slots.pop(("kept", s, v, m))
             if op == FORWARD and c + 1 < chunks:  # to the next group, on the next stage
                 arriving.append(("input", (s + 1) % stages, (c + 1) // stages, m))
             if op in (BACKWARD, INPUT_GRAD) and c > 0:  # to the previous group
                 arriving.append(("gradient", (s - 1) % stages, (c - 1) // stages, m))
         for what, s, v, m in arriving:
-            taken = {slot for (w, stage, *_), slot in slots.items() if (w, stage) == (what, s)}
-            slots[what, s, v, m] = min(set(range(len(taken) + 1)) - taken)
-            table[t, s, COLUMNS[what][1]] = slots[what, s, v, m]
+            table[t, s, COLUMNS[what][1]] = take(what, s, v, m)
     return table
 
 
 def in_flight(table):
-    """The most micro-batches each stage holds at once (interleaved: pairs of a group of layers
-    and a micro-batch), from a forward to the last operation that reads its input (BACKWARD, or
-    zero-bubble's WEIGHT_GRAD)."""
-    most = []
-    for s in range(table.shape[1]):
-        held, peak = set(), 0
-        for op, m, v in table[:, s, :3]:
-            if op == FORWARD:
-                held.add((v, m))
-            elif op in (BACKWARD, WEIGHT_GRAD):
-                held.discard((v, m))
-            peak = max(peak, len(held))
-        most.append(peak)
-    return most
+    """The most micro-batches each stage holds at once, from a forward to its last backward."""
+    ops = table[:, :, OP]
+    held = np.cumsum((ops == FORWARD).astype(int) - np.isin(ops, (BACKWARD, WEIGHT_GRAD)), axis=0)
+    return held.max(0).tolist()
 
 
 def show_schedule(kind, table):
     """One line per stage, one column per tick: F3 is micro-batch 3's forward, B3 its backward
-    (zero-bubble: its input's gradient), W3 its weights' gradient (zero-bubble); interleaved,
-    5F3 is micro-batch 3's forward through the model's group of layers 5 (as PyTorch writes it)."""
+    (zero-bubble: its input's gradient), W3 its weights' gradient; 5F3 goes through group 5."""
     stages, virtual = table.shape[1], table[:, :, VIRTUAL].max() + 1
     letter = {IDLE: ".", FORWARD: "F", BACKWARD: "B", INPUT_GRAD: "B", WEIGHT_GRAD: "W"}
 
@@ -291,9 +263,8 @@ def show_schedule(kind, table):
 
 
 def stack_blocks(tree, virtual=1):
-    """block_0 ... block_{L-1} of a dict as one tree 'blocks' [virtual, L / virtual, ...]:
-    splitting the second axis over 'stage' (P(None, 'stage')) gives stage s its groups s,
-    s + stages, ... (interleaved), or with one row one contiguous group."""
+    """block_0 ... block_{L-1} of a dict as one tree 'blocks' [virtual, L / virtual, ...]: split
+    over 'stage' on the second axis, stage s holds groups s, s + stages, ..."""
     if not isinstance(tree, dict) or "block_0" not in tree:
         return tree
     rest = {k: v for k, v in tree.items() if not k.startswith("block_")}
@@ -312,23 +283,10 @@ def unstack_blocks(tree):
     return {**rest, **{f"block_{i}": jax.tree.map(lambda x, i=i: x[i], blocks) for i in layers}}
 
 
-def every_dict(fn, tree):
-    """fn applied to every dict of a tree of dicts and (named) tuples, such as the parameters
-    and the optimizer state (whose Adam moments are trees like the parameters)."""
-    if isinstance(tree, dict):
-        return fn({k: every_dict(fn, v) for k, v in tree.items()})
-    if isinstance(tree, tuple | list):
-        children = [every_dict(fn, v) for v in tree]
-        return type(tree)(*children) if hasattr(tree, "_fields") else type(tree)(children)
-    return tree
-
-
 def relaid(fn, state, **jit):
-    """The state with fn applied to every dict of its parameters and optimizer state."""
-    each = functools.partial(every_dict, fn)
-    return jax.jit(lambda s: s.replace(params=each(s.params), opt_state=each(s.opt_state)), **jit)(
-        state
-    )
+    """The state with fn applied to each tree of parameters in it (theirs, Adam's moments)."""
+    params = lambda x: isinstance(x, dict) and bool({"block_0", "blocks"} & set(x))  # noqa: E731
+    return jax.jit(lambda s: jax.tree.map(fn, s, is_leaf=params), **jit)(state)
 
 
 def to_saved(state):
@@ -344,11 +302,9 @@ def from_saved(saved, state):
 
 
 def state_specs(tree, stages):
-    """P(None, 'stage') on the stacked blocks, each device holding its stage's groups of layers.
-    Every other parameter (the embedding, the head) and its Adam moments split over 'stage' too,
-    along the first axis `stages` divides (whole if none does): between steps each device keeps
-    1/stages of them, not a copy, and the step gathers them (gather_embed_and_head). Counters and
-    the key: P()."""
+    """P(None, 'stage') on the stacked blocks, each device holding its stage's groups of layers;
+    the embedding, the head and their Adam moments split over 'stage' along the first axis
+    `stages` divides (whole if none does), gathered for the step; counters and the key P()."""
 
     def spec(path, x):
         path = jax.tree_util.keystr(path)
@@ -361,13 +317,8 @@ def state_specs(tree, stages):
     return jax.tree_util.tree_map_with_path(spec, tree)
 
 
-def is_spec(x):
-    return isinstance(x, P)
-
-
 def gather_embed_and_head(params, specs):
-    """The parameters with everything but the blocks whole on every device (all-gathers over
-    'stage'): the embedding for the first stage, the head for the last."""
+    """Everything but the blocks whole on every device (all-gathers over 'stage')."""
 
     def gather(x, spec):
         if "stage" not in spec:
@@ -378,9 +329,8 @@ def gather_embed_and_head(params, specs):
 
 
 def scatter_embed_and_head(grads, specs):
-    """The inverse for the gradients: the embedding's comes from the first stage, the head's
-    from the last, zeros elsewhere; each is summed over 'stage' and each device keeps its piece
-    (reduce-scatters: the same bytes as an all-reduce's half, and the all-gather is the other)."""
+    """The inverse for the gradients, each summed over 'stage' (the embedding's from the first
+    stage, the head's from the last), each device keeping its piece: reduce-scatters."""
 
     def scatter(g, spec):
         if "stage" not in spec:
@@ -404,11 +354,10 @@ def init_state(config, mesh, shapes_only=False):
 
 
 def stage_forward(params, x, tokens, rng, config, v=0, deltas=None, head=True):
-    """One stage's part of the model on one micro-batch, its group of layers v: the embedding
-    on the model's first group (in place of `x`), the group's blocks, and on its last (unless
-    `head` is False) the head and the summed loss. Returns (the output, what it adds to the loss:
-    that and a mixture's balancing loss), then, for the metrics, the summed loss and the blocks'
-    sums, and with `deltas` (zeros, one per dense layer) the dense layers' inputs (keep_dense)."""
+    """One stage's group of layers v on one micro-batch: the embedding first (in place of `x`) on
+    the model's first group, the head and summed loss last on its last (unless not `head`).
+    Returns (the output, the loss with a mixture's balance loss), (the loss, the blocks' sums,
+    with `deltas` the dense layers' inputs: keep_dense)."""
     stage, stages = lax.axis_index("stage"), lax.axis_size("stage")
     virtual = jax.tree.leaves(params["blocks"])[0].shape[0]
     # Which group of the model's layers: 0 first, virtual * stages - 1 last
@@ -425,8 +374,7 @@ def stage_forward(params, x, tokens, rng, config, v=0, deltas=None, head=True):
     x, stats, inputs = run_blocks(blocks, x, rng, config, chunk, deltas)
 
     def loss():
-        # A tied head reads the embedding's table: the first and last stages both hold it, and
-        # the sum of its gradients over 'stage' adds up the two uses (scatter_embed_and_head).
+        # A tied head reads the embedding's table: summed over 'stage', its gradient adds both uses
         head = common.with_tied(params["head"], params["embed"], model.tied)
         logits = common.run_piece(model.defs["head"], head, x, rng)
         return common.cross_entropy(logits, tokens[:, 1:]).sum()
@@ -437,16 +385,14 @@ def stage_forward(params, x, tokens, rng, config, v=0, deltas=None, head=True):
 
 
 def run_blocks(blocks, x, rng, config, chunk=0, deltas=None):
-    """A group of blocks ([layers, ...] stacked) on x, the group being the model's `chunk`-th:
-    the output, the blocks' sums, and (with `deltas`, see stage_forward) their dense layers'
-    inputs, [layers, ...] each."""
+    """The model's `chunk`-th group of blocks ([layers, ...]) on x: the output, the blocks' sums
+    and (with `deltas`) their dense layers' inputs."""
     piece = common.make_model(config).defs["block"]
 
     def block(x, layer):
         block_params, i, delta = layer
-        module = common.merge(
-            piece, block_params, None if rng is None else jax.random.fold_in(rng, i)
-        )
+        key = None if rng is None else jax.random.fold_in(rng, i)
+        module = common.merge(piece, block_params, key)
         kept = []
         if deltas:
             keep_dense(module, delta, kept)
@@ -460,13 +406,10 @@ def run_blocks(blocks, x, rng, config, chunk=0, deltas=None):
 
 
 def keep_dense(block, deltas, kept):
-    """Zero-bubble's split backward, in a block made for one call (nnx.merge): the k-th
-    nnx.Linear it calls appends (its kernel's path in the block, its input as it multiplies it,
-    in the compute dtype, its output) to `kept` and adds deltas[k] (zeros; none if `deltas` is
-    None) to its output, through its dot_general. The gradient with respect to deltas[k] is that
-    layer's output gradient dy: with the input x, all the kernel's gradient x^T dy needs. Any
-    other layer (a mixture's experts, a norm) is left alone: its weights' gradient is computed
-    with the input's."""
+    """Zero-bubble's split backward: the k-th nnx.Linear the block calls appends (its kernel's
+    path, its input, its output) to `kept` and adds deltas[k] (zeros) to its output. The gradient
+    of deltas[k] is the layer's output gradient dy: with x, all its kernel's x^T dy needs. Other
+    layers (experts, norms) get their weights' gradient with the input's."""
     for path, layer in nnx.iter_modules(block):
         if type(layer) is nnx.Linear:
 
@@ -494,37 +437,19 @@ def dense_calls(config, params, activation):
 
 
 def with_kernel(grads, v, path, value):
-    """The gradients with one block kernel's (at `path` in a block) for group v: `value`
-    [layers, in, out], or zeros (None)."""
-    grads = dict(grads)
-    blocks = grads["blocks"] = dict(grads["blocks"])
-    *folders, name = path
-    for folder in folders:
-        blocks[folder] = dict(blocks[folder])
-        blocks = blocks[folder]
-    kernel = jnp.zeros_like(blocks[name])  # [virtual, layers, in, out]
-    blocks[name] = kernel if value is None else kernel.at[v].set(value.astype(kernel.dtype))
-    return grads
+    """The gradients with group v's kernel at `path` in a block `value` (None: zeros)."""
 
+    def put(where, g):  # g: [virtual, layers, in, out]
+        if tuple(k.key for k in where) != ("blocks", *path):
+            return g
+        return jnp.zeros_like(g) if value is None else jnp.zeros_like(g).at[v].set(value)
 
-def place_kept(table):
-    """Zero-bubble: where each stage keeps what a micro-batch's INPUT_GRAD leaves for its
-    WEIGHT_GRAD ([ticks, stages], -1 at any other op), the lowest slot free then."""
-    slots = np.full(table.shape[:2], -1, np.int32)
-    for s in range(table.shape[1]):
-        held = {}  # (v, m) -> slot
-        for t, (op, m, v) in enumerate(table[:, s, :3]):
-            if op == INPUT_GRAD:
-                held[v, m] = slots[t, s] = min(set(range(len(held) + 1)) - set(held.values()))
-            elif op == WEIGHT_GRAD:
-                slots[t, s] = held.pop((v, m))
-    return slots
+    return jax.tree_util.tree_map_with_path(put, grads)
 
 
 def pipeline_gradients(params, batch, rng, config, table):
-    """Run the schedule: every stage's gradient of the mean loss of this device's rows, and the
-    summed loss (on the last stage). Forwards and backwards of the micro-batches at each tick as
-    `table` says, the outputs passed to the neighbouring stages after each tick."""
+    """Run the schedule, tick by tick as `table` says: every stage's gradient of the mean loss of
+    this device's rows, and the summed loss (on the last stage)."""
     stage, stages = lax.axis_index("stage"), lax.axis_size("stage")
     microbatches = config.microbatches
     # Micro-batch i takes rows i, i + m, i + 2m, ... (as common.accumulate_gradients does).
@@ -536,44 +461,33 @@ def pipeline_gradients(params, batch, rng, config, table):
     # What passes between stages: the embedding's output, of the shape of every block's.
     defs = common.make_model(config).defs
     embed = lambda: common.run_piece(defs["embed"], params["embed"], pieces[0][:, :-1])  # noqa: E731
-    activation = jax.eval_shape(embed)
-    activation = jnp.zeros(activation.shape, activation.dtype)
-    to_next = [(s, s + 1) for s in range(stages - 1)]
-    to_previous = [(s + 1, s) for s in range(stages - 1)]
-    if jax.tree.leaves(params["blocks"])[0].shape[0] > 1:  # interleaved: a ring of stages, the
-        to_next.append((stages - 1, 0))  # last stage's output going on to the first's next group
-        to_previous.append((0, stages - 1))
+    activation = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(embed))
+    ring = jax.tree.leaves(params["blocks"])[0].shape[0] > 1  # interleaved: last to first too
+    to_next = [(s, (s + 1) % stages) for s in range(stages - 1 + ring)]
+    to_previous = [(b, a) for a, b in to_next]
     # The mean over this device's tokens
     loss_scale = 1.0 / (pieces.shape[0] * pieces.shape[1] * config.seq_len)
 
     # What the blocks report (a mixture of experts' routing), summed over the micro-batches.
     block_params = jax.tree.map(lambda p: p[0, 0], params["blocks"])
     block = lambda: common.run_piece(defs["block"], block_params, activation)[1]  # noqa: E731
-    stats = jax.eval_shape(block) or {}
-    stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), stats)
+    stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(block) or {})
 
-    # Zero-bubble: what each INPUT_GRAD keeps for its WEIGHT_GRAD, per dense layer of a block,
-    # for each of this group's layers: its input and its output's gradient, in kept slots.
+    # Zero-bubble: what INPUT_GRAD keeps for WEIGHT_GRAD, per dense layer: input, output gradient
     zero_bubble = bool((table[:, :, OP] == WEIGHT_GRAD).any())
-    kept_slots = place_kept(table) if zero_bubble else np.full(table.shape[:2], -1, np.int32)
     calls = dense_calls(config, params, activation) if zero_bubble else []
     layers = jax.tree.leaves(params["blocks"])[0].shape[1]
-    kept_count = max(1, kept_slots.max() + 1)
-    kept = [
-        tuple(jnp.zeros((kept_count, layers, *a.shape), a.dtype) for a in (x, y))
-        for _, x, y in calls
-    ]
+    kept_count = max(1, table[:, :, KEPT].max() + 1)
+    kept = [tuple(jnp.zeros((kept_count, layers, *a.shape), a.dtype) for a in c[1:]) for c in calls]
 
-    def tick(carry, rows):
+    def tick(carry, row):
         inputs, output_grads, kept, grads, loss_sum, stats_sum = carry
-        row, kept_row = rows
-        op, m, v, input_slot, gradient_slot, input_arrives, gradient_arrives = row[stage]
-        kept_slot = jnp.maximum(kept_row[stage], 0)
+        op, m, v, input_slot, gradient_slot, input_arrives, gradient_arrives, kept_slot = row[stage]
+        kept_slot = jnp.maximum(kept_slot, 0)
         tokens, key = pieces[m], jax.random.fold_in(rng, m)
 
-        # Read inside the branches that use them (XLA would otherwise copy them out first). Slot
-        # -1: none. The first group reads the tokens (any input will do) and the last group's
-        # output is only the loss's, so its gradient is zero (interleaved, the slots hold others').
+        # Read inside the branches (XLA would copy them out first). Slot -1: none; the first group
+        # reads the tokens and the last's output gradient is zero (the loss's is the backward's).
         def x():
             return inputs[jnp.maximum(input_slot, 0)]
 
@@ -598,10 +512,8 @@ def pipeline_gradients(params, batch, rng, config, table):
             return grad_params, grad_input, nothing_kept(), loss, stats
 
         def input_grad():
-            """Zero-bubble's B: the backward of the stage, recomputed from its input, but for
-            its dense kernels' gradients (zeros: XLA drops their matmuls). It leaves what they
-            need: each dense layer's input, and its output's gradient (the gradient of its
-            delta, keep_dense)."""
+            """Zero-bubble's B: the backward but for the dense kernels' gradients (zeros: XLA drops
+            their matmuls), leaving what they need: each layer's input and output gradient."""
             deltas = [jnp.zeros((layers, *y.shape), y.dtype) for _, _, y in calls]
             forward = functools.partial(stage_forward, tokens=tokens, rng=key, config=config, v=v)
             _, vjp, (loss, stats, dense_inputs) = jax.vjp(
@@ -614,8 +526,7 @@ def pipeline_gradients(params, batch, rng, config, table):
             return grad_params, grad_input, left, loss, stats
 
         def weight_grad():
-            """Zero-bubble's W: each dense kernel's gradient, x^T dy per layer, from what B kept;
-            nothing recomputed."""
+            """Zero-bubble's W: each dense kernel's gradient, x^T dy, from what B kept."""
             grad_params = jax.tree.map(jnp.zeros_like, params)
             for (path, *_), (xs, dys) in zip(calls, kept, strict=True):
                 kernel = jnp.einsum("l...i,l...o->lio", xs[kept_slot], dys[kept_slot])
@@ -623,8 +534,7 @@ def pipeline_gradients(params, batch, rng, config, table):
             _, grad_input, left, loss, none = no_backward()
             return grad_params, grad_input, left, loss, none
 
-        # The backward each op runs (none for IDLE and FORWARD): only the backwards the table
-        # has are compiled, since XLA:CPU keeps each branch's temporaries apart.
+        # Each op's backward: only those the table has are compiled (XLA:CPU keeps each apart)
         backwards = {BACKWARD: backward}  # zero-bubble: the input's half, then the weights'
         backwards = {INPUT_GRAD: input_grad, WEIGHT_GRAD: weight_grad} if zero_bubble else backwards
         branch = np.zeros(len(OPS), np.int32)  # op -> its branch of lax.switch, 0: no_backward
@@ -634,8 +544,7 @@ def pipeline_gradients(params, batch, rng, config, table):
         grad_params, grad_input, left, loss, more = lax.switch(
             jnp.asarray(branch)[op], [no_backward, *backwards.values()]
         )
-        # What B leaves for W, into its slot outside the branches (a buffer that went through
-        # them would be copied: XLA:CPU keeps each branch's results apart).
+        # What B leaves for W, into its slot outside the branches (through them: copied)
         kept = lax.cond(
             op == INPUT_GRAD,
             lambda: [
@@ -667,8 +576,7 @@ def pipeline_gradients(params, batch, rng, config, table):
         jnp.zeros((), jnp.float32),
         stats,
     )
-    rows = (jnp.asarray(table), jnp.asarray(kept_slots))
-    (_, _, _, grads, loss_sum, stats), _ = lax.scan(tick, carry, rows)
+    (_, _, _, grads, loss_sum, stats), _ = lax.scan(tick, carry, jnp.asarray(table))
     tokens = jnp.int32(pieces.size - pieces.shape[0] * pieces.shape[1])
     return grads, {"loss_sum": loss_sum, "tokens": tokens, **stats}
 
@@ -683,13 +591,12 @@ def train_step(state, batch, config, table, specs):
     # Summed over 'stage', each device keeping its piece
     grads = scatter_embed_and_head(grads, specs)
     grads = lax.pmean(grads, "data")  # all-reduce: the mean over the data shards
-    # The loss is summed on the last stage only, the blocks' sums on each stage for its blocks;
-    # each stage counted the same tokens.
+    # The loss summed on the last stage, the blocks' sums on each; the tokens counted on each
     metrics = {
         **lax.psum(metrics, ("data", "stage")),
         "tokens": lax.psum(metrics["tokens"], "data"),
     }
-    split = jax.tree.map(lambda spec: "stage" in spec, specs, is_leaf=is_spec)
+    split = jax.tree.map(lambda spec: "stage" in spec, specs, is_leaf=lambda x: isinstance(x, P))
     norm = common.global_norm(common.learned(grads), split, "stage")
     state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))
     return state, {**metrics, "grad_norm": norm}
@@ -730,9 +637,8 @@ def main(config):
             mesh=mesh,
             in_specs=(state_spec, BATCH_SPEC),
             out_specs=(state_spec, P()),
-            # The stages run different code (lax.cond on the stage's index) and each takes its
-            # gradient with jax.vjp, so every sum over devices is written by hand (train_step)
-            # and there is no replication for check_vma to track.
+            # Stages run different code and take their gradients with jax.vjp: every sum over
+            # devices is written by hand (train_step), no replication for check_vma to track.
             check_vma=False,
         ),
         donate_argnums=0,
@@ -757,12 +663,10 @@ def main(config):
     eval_data = [device_batch(b, mesh) for b in common.eval_batches(dataset, config)]
     bubble = float((table[:, :, OP] == IDLE).mean())
     report = {**common.cost_report(config, state, compiled, compile_seconds), "bubble": bubble}
-    layout = (
-        f"mesh data={mesh.shape['data']},stage={mesh.shape['stage']}, {config.schedule}"
-        + (f" ({config.virtual()} groups of layers per stage)" if config.virtual() > 1 else "")
-        + f" over "
-        f"{config.microbatches} micro-batches, {table.shape[0]} ticks, bubble {bubble:.0%}"
-    )
+    groups = f" ({config.virtual()} groups of layers per stage)" * (config.virtual() > 1)
+    layout = f"mesh data={mesh.shape['data']},stage={mesh.shape['stage']}, {config.schedule}"
+    layout += f"{groups} over {config.microbatches} micro-batches, {table.shape[0]} ticks, "
+    layout += f"bubble {bubble:.0%}"
     log = common.Logger(config, dataset, layout, report, start)
     stop = common.StopSignals()  # Ctrl-C or SIGTERM: the run finishes its step, saves, stops
     try:

@@ -473,7 +473,7 @@ def test_1f1b_keeps_fewer_activations_than_gpipe(counts, users_compile):
     gradient until its weights' gradient has run (2 more gradients than 1F1B keeps: its table's
     slots), and for each micro-batch between its B and its W what W needs: every dense layer's
     input and output gradient, 16 activations' worth per GPT block (inputs 7 x d_model, outputs
-    9 x d_model), in the kept slots of its table (pipeline.place_kept: 4). Flat as well: the
+    9 x d_model), in the kept slots of its table (its KEPT column: 4). Flat as well: the
     slots do not grow with the micro-batches."""
     temp = {
         (s, m): pipeline_temporaries(s, 4, m)
@@ -500,7 +500,7 @@ def test_1f1b_keeps_fewer_activations_than_gpipe(counts, users_compile):
             f"{microbatches} micro-batches: zero-bubble keeps {more:.2f} activations more than 1F1B"
         )
         table = pipeline.make_schedule("zero-bubble", 4, microbatches)
-        kept = (pipeline.place_kept(table).max() + 1) * 16  # one layer per stage
+        kept = (table[:, :, pipeline.KEPT].max() + 1) * 16  # one layer per stage
         expected = kept + slots("zero-bubble", microbatches) - slots("1f1b", microbatches)
         # (the rest: XLA:CPU's copies of what B leaves, as it leaves the tick's lax.switch)
         assert expected - 0.1 <= more <= expected + 8

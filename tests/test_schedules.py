@@ -136,11 +136,11 @@ def test_schedule_is_valid_and_its_bubble_is_the_formulas(kind, stages, microbat
 
 
 def test_zero_bubble_keeps_what_each_input_grad_leaves_until_its_weight_grad():
-    """pipeline.place_kept: each INPUT_GRAD's slot, the lowest free, read by its WEIGHT_GRAD and
+    """The table's KEPT column: each INPUT_GRAD's slot, the lowest free, read by its WEIGHT_GRAD and
     no other micro-batch's in between; -1 at every other operation; `stages` slots at most."""
     for stages, microbatches in SIZES:
         table = make_schedule("zero-bubble", stages, microbatches)
-        slots = pipeline.place_kept(table)
+        slots = table[:, :, pipeline.KEPT]
         for s in range(stages):
             held = {}
             for t, (op, m, v) in enumerate(table[:, s, :3]):
