@@ -329,25 +329,17 @@ def seeded(streams, rng):
     return jax.tree.map(seed, streams)
 
 
-def merge(piece: PieceDef, params, rng=None):
-    """The piece as a module holding `params` (a dict, nnx.State's pure form), dropout from rng."""
+def run_piece(piece: PieceDef, params, x, rng=None, edit=lambda module: module):
+    """A piece on x given its parameters (a dict, nnx.State's pure form), dropout with a key (rng),
+    none without; edit(module) may change it or return what runs in its place. A block's output
+    comes with its sums (None if it returns none)."""
     if piece.unread:  # a half of a model written whole: the other half's parameters, never read
-        zeros = {path: jnp.zeros(x.shape, x.dtype) for path, x in piece.unread.items()}
+        zeros = {path: jnp.zeros(s.shape, s.dtype) for path, s in piece.unread.items()}
         params = params if isinstance(params, dict) else nnx.to_pure_dict(params)
         params = unflatten_dict({**flatten_dict(params), **zeros})
     module = nnx.merge(piece.graphdef, params, seeded(piece.streams, rng))
     module.set_attributes(deterministic=rng is None, raise_if_not_found=False)  # no key: no drop
-    return module
-
-
-def run_piece(piece: PieceDef, params, x, rng=None):
-    """A piece on x given its parameters; dropout with a key (rng), none without."""
-    return call(piece, merge(piece, params, rng), x)
-
-
-def call(piece: PieceDef, module, x):
-    """The merged piece on x; a block's output with its sums (None if it returns none)."""
-    out = module(x)
+    out = edit(module)(x)
     return (out, None) if piece.name == "block" and not isinstance(out, tuple) else out
 
 

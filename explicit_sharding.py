@@ -292,15 +292,18 @@ def explicit_layout(batch_axes, sequence=None):
 
     def wrap(run):
         def run_explicit(piece, params, x, rng):
-            module = common.merge(piece, gather_for_use(params, batch_axes), rng)
-            if any(isinstance(m, bridge.ToNNX) for _, m in nnx.iter_modules(module)):
-                return common.call(piece, lambda x: laid_out_inside(module, x, batch_axes), x)
-            state_layouts(module, sequence)
-            if sequence and jnp.issubdtype(x.dtype, jnp.floating):  # the residual stream
-                # split along the sequence; the head's input gathered whole, for whatever
-                # contraction makes its logits (a tied table's is no nnx.Linear)
-                x = along_sequence(x, None if piece.name == "head" else sequence)
-            return common.call(piece, module, x)
+            def laid_out(module):
+                if any(isinstance(m, bridge.ToNNX) for _, m in nnx.iter_modules(module)):
+                    return lambda x: laid_out_inside(module, x, batch_axes)
+                state_layouts(module, sequence)
+                if not (sequence and jnp.issubdtype(x.dtype, jnp.floating)):
+                    return module
+                # The residual stream split along the sequence; the head's input gathered whole,
+                # for whatever contraction makes its logits (a tied table's is no nnx.Linear)
+                split = None if piece.name == "head" else sequence
+                return lambda x: module(along_sequence(x, split))
+
+            return run(piece, gather_for_use(params, batch_axes), x, rng, laid_out)
 
         return run_explicit
 

@@ -391,12 +391,9 @@ def run_blocks(blocks, x, rng, config, chunk=0, deltas=None):
 
     def block(x, layer):
         block_params, i, delta = layer
-        key = None if rng is None else jax.random.fold_in(rng, i)
-        module = common.merge(piece, block_params, key)
-        kept = []
-        if deltas:
-            keep_dense(module, delta, kept)
-        x, stats = common.call(piece, module, x)
+        key, kept = None if rng is None else jax.random.fold_in(rng, i), []
+        edit = functools.partial(keep_dense, deltas=delta, kept=kept) if deltas else lambda m: m
+        x, stats = common.run_piece(piece, block_params, x, key, edit)
         return x, (stats, [x_in for _, x_in, _ in kept])
 
     layers = jax.tree.leaves(blocks)[0].shape[0]
@@ -419,6 +416,7 @@ def keep_dense(block, deltas, kept):
                 return y if deltas is None else y + deltas[len(kept) - 1]
 
             layer.dot_general = keep
+    return block
 
 
 def dense_calls(config, params, activation):
@@ -427,9 +425,10 @@ def dense_calls(config, params, activation):
     calls = []
 
     def run():
-        block = common.merge(common.make_model(config).defs["block"], block_params)
-        keep_dense(block, None, calls)
-        block(activation)
+        keep = functools.partial(keep_dense, deltas=None, kept=calls)
+        common.run_piece(
+            common.make_model(config).defs["block"], block_params, activation, None, keep
+        )
         return [(x, y) for _, x, y in calls]
 
     shapes = jax.eval_shape(run)

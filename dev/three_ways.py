@@ -116,7 +116,9 @@ def megatron(specs):
 
     def wrap(run):
         def run_on_shards(piece, params, x, rng):
-            module = common.merge(piece, params, rng)
+            return run(piece, params, x, rng, functools.partial(on_shards, piece))
+
+        def on_shards(piece, module):
             places = ["block_0"] if piece.name == "block" else ["embed", "head"]  # the model's
             for path, layer in list(nnx.iter_modules(module)):
                 names = ["/".join((place, *map(str, path))) for place in places]
@@ -128,7 +130,7 @@ def megatron(specs):
                     layer.dot_general = functools.partial(matmul, split, name == "head/out")
                 if isinstance(layer, nnx.Embed) and split_over(specs[f"{name}/embedding"], "model"):
                     explicit_sharding.replace(module, path, VocabularySplit(layer))
-            return common.call(piece, module, x)
+            return module
 
         return run_on_shards
 
