@@ -315,8 +315,8 @@ BUGS = [
     ),
     Bug(
         "explicit_sharding.py",
-        'along_sequence(x, None if piece.name == "head" else sequence)',
-        "along_sequence(x, None)",
+        'split = None if piece.name == "head" else sequence',
+        "split = None",
         "--rules tp_sp in the types gathers every piece's input whole: no sequence split "
         "(no number changes)",
         (f"{EQ}::test_sequence_parallelism_splits_the_residual_stream[explicit_tp_sp]",),
