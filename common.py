@@ -412,7 +412,7 @@ def _top(model_class, name):
                 finally:
                     delattr(self, name)
             closed, leaves = cut(self, jax.ShapeDtypeStruct(x.shape[:2], jnp.int32), x)
-            after, _ = halves(closed, len(leaves))[1]
+            after = halves(closed, len(leaves))[0]
             return jax.extend.core.jaxpr_as_fun(after)(*leaves, x)[0]
 
     Top.__name__ = Top.__qualname__ = model_class.__name__  # what errors name: the user's class
@@ -435,32 +435,32 @@ def cut(top, tokens, *x):
 
 
 def halves(closed, leaves: int):
-    """A cut jaxpr's part before its blocks (its inputs -> theirs) and after them (its first
-    `leaves` inputs, the state's, and the blocks' output -> its own), each with the indices of the
-    state's leaves it reads; an effect (a debug callback) goes with the values it reads."""
+    """A cut jaxpr's part after its blocks (its first `leaves` inputs, the state's, and the
+    blocks' output -> its own outputs); and the indices of the state's leaves read before the
+    blocks and after them. An effect (a debug callback) goes with the values it reads."""
     jaxpr = closed.jaxpr
     named = lambda vs: {v for v in vs if isinstance(v, jax.extend.core.Var)}  # noqa: E731 (no literals)
     marks = [e for e in jaxpr.eqns if e.primitive is _blocks_p]
     require(len(marks) == 1, "model", f"runs its blocks {len(marks)} times a call, not once")
-    (mark,), state, parts, later = marks, jaxpr.invars[:leaves], [], set(marks[0].outvars)
+    (mark,), state, later = marks, jaxpr.invars[:leaves], set(marks[0].outvars)
     for e in jaxpr.eqns:  # the values the blocks' output reaches
         later |= set(e.outvars) if later & named(e.invars) else set()
-    for after, outs, given in (
-        (False, mark.invars[:1], jaxpr.invars),
-        (True, jaxpr.outvars, [*state, *mark.outvars]),
-    ):
+
+    def needs(outs, after):  # the equations that make `outs`, and the values they read
         needed, kept = named(outs), []
         for e in reversed(jaxpr.eqns):
             effect = e.effects and bool(later & named(e.invars)) == after
             if e is not mark and (needed & set(e.outvars) or effect):
                 kept.append(e)
                 needed |= named(e.invars)
-        part = jaxpr.replace(invars=given, outvars=list(outs), eqns=kept[::-1])
-        reads = {i for i, v in enumerate(state) if v in needed}
-        parts.append((jax.extend.core.ClosedJaxpr(part, closed.consts), reads))
+        return kept[::-1], needed
+
+    (_, before), (eqns, after) = needs(mark.invars[:1], False), needs(jaxpr.outvars, True)
     tokens = "reads its tokens after its blocks: give them to a block"
-    require(not needed & set(jaxpr.invars[leaves:]), "model", tokens)
-    return parts
+    require(not after & set(jaxpr.invars[leaves:]), "model", tokens)
+    part = jaxpr.replace(invars=[*state, *mark.outvars], outvars=jaxpr.outvars, eqns=eqns)
+    reads = [{i for i, v in enumerate(state) if v in needed} for needed in (before, after)]
+    return jax.extend.core.ClosedJaxpr(part, closed.consts), *reads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -488,7 +488,7 @@ class Model:
         closed, leaves = cut(nnx.merge(plain.graphdef, plain.params, plain.streams), tokens)
         shapes = flatten_dict(params := nnx.to_pure_dict(top.params))
         paths = [tuple(k.key for k in path) for path, _ in tree_leaves_with_path(params)]
-        reads = (reads for _, reads in halves(closed, len(leaves)))
+        reads = halves(closed, len(leaves))[1:]
         before, after = ({paths[i] for i in part if i < len(paths)} for part in reads)
         kept = {"embed": set(paths) - (after - before), "head": after}
 
