@@ -86,7 +86,8 @@ def counted(flags: str) -> tuple:
         else:
             given[key] = type(getattr(common.Config, key))(word)
     config, sized = common.Config(**given), {}
-    for path, box in common.logical_names(config):
+    shapes = common.Config(**{name: getattr(config, name) for name in common.SHAPE_FLAGS})
+    for path, box in common.logical_names(shapes):  # one per model, whatever else the row sets
         piece = "blocks" if path.startswith("block") else path.split("/")[0]
         sized[piece] = sized.get(piece, 0) + box.value.size
         split = "expert" in box.names and "expert"
