@@ -1770,8 +1770,8 @@ class StopSignals:
     several processes, JAX's preemption service says at which step, the same on every one."""
 
     def __init__(self):
-        self.stopping, alone = False, jax.process_count() == 1
-        handled = [signal.SIGINT] + [signal.SIGTERM] * alone
+        self.stopping = False
+        handled = [signal.SIGINT] + [signal.SIGTERM] * (jax.process_count() == 1)
         self.handlers = {s: signal.signal(s, self.stop) for s in handled}
 
     def stop(self, signum, frame):
@@ -1826,8 +1826,9 @@ class Checkpoints:
 
     def __init__(self, config: Config, to_saved=lambda s: s, from_saved=lambda saved, s: saved):
         self.config, self.to_saved, self.from_saved = config, to_saved, from_saved
-        self.checkpointer, when = None, ocp.training.save_decision_policies
+        self.checkpointer = None
         if config.checkpoint_dir:
+            when = ocp.training.save_decision_policies
             every, last = when.FixedIntervalPolicy(config.checkpoint_every), [config.steps]
             self.checkpointer = ocp.training.Checkpointer(
                 os.path.abspath(config.checkpoint_dir),
@@ -1864,9 +1865,8 @@ class Checkpoints:
     def save(self, step: int, state, stopping: bool = False):
         """Save the state after step `step` in the background, with the flags it was made by."""
         flags = {"flags": {n: getattr(self.config, n) for n in SHAPE_FLAGS + TRAJECTORY_FLAGS}}
-        self.checkpointer.save_async(
-            step + 1, self.to_saved(state), force=True, custom_metadata=flags
-        )
+        saved = self.to_saved(state)
+        self.checkpointer.save_async(step + 1, saved, force=True, custom_metadata=flags)
         if stopping:
             log_print(f"stopped: saved the checkpoint of step {step + 1}")
 
