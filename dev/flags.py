@@ -1,5 +1,5 @@
 """Which compared runs set each flag away from its default, and each pair of flags one function
-reads together: docs/flags.md's two tables.
+reads together: docs/flags.md's table and dev/flag_pairs.md's.
 
 A flag that no compared run sets (compared with one device, with a definition written in a
 test, or with a formula) guards code that could be wrong in any way: nothing would notice. The
@@ -31,6 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "flags.md"
 MARKER = re.compile(r"<!-- flags:start -->\n.*?<!-- flags:end -->", re.DOTALL)
+PAIRS_PAGE = ROOT / "dev" / "flag_pairs.md"
 PAIRS = re.compile(r"<!-- pairs:start -->\n.*?<!-- pairs:end -->", re.DOTALL)
 SCRIPTS = (
     "pmap_dp shardmap_dp fsdp pjit_tp logical_pjit pipeline context_parallel expert_parallel "
@@ -256,9 +257,9 @@ def pair_table(records, plain: set) -> str:
 
 
 def read_pairs(text=None) -> dict:
-    """docs/flags.md's pair table: {(flag, flag, script or SHARED): (count or "refused
+    """dev/flag_pairs.md's table: {(flag, flag, script or SHARED): (count or "refused
     together", [example test])}."""
-    text = PAGE.read_text() if text is None else text
+    text = PAIRS_PAGE.read_text() if text is None else text
     rows = {}
     for a, b, reader, count, examples in re.findall(
         r"^\| `--([\w-]+)` `--([\w-]+)` \| (.+?) \| (\d+|refused together) \| (.*) \|$",
@@ -306,7 +307,7 @@ def plain_tests() -> set:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="+", help="the records: $FLAGS_RECORD of the runs")
-    parser.add_argument("--write", action="store_true", help="rewrite docs/flags.md's table")
+    parser.add_argument("--write", action="store_true", help="rewrite the tables")
     args = parser.parse_args()
     records = recorded(*args.folders)
     plain = plain_tests()
@@ -320,8 +321,10 @@ def main():
     print(f"{len(required_pairs())} pairs of flags one function reads, {len(left)} never together")
     if args.write:
         page = MARKER.sub(f"<!-- flags:start -->\n{text}\n<!-- flags:end -->", PAGE.read_text())
-        PAGE.write_text(PAIRS.sub(f"<!-- pairs:start -->\n{pairs}\n<!-- pairs:end -->", page))
-        print(f"wrote {PAGE.relative_to(ROOT)}")
+        PAGE.write_text(page)
+        pairs = f"<!-- pairs:start -->\n{pairs}\n<!-- pairs:end -->"
+        PAIRS_PAGE.write_text(PAIRS.sub(lambda _: pairs, PAIRS_PAGE.read_text()))
+        print(f"wrote {PAGE.relative_to(ROOT)} and {PAIRS_PAGE.relative_to(ROOT)}")
     return 1 if missing or left else 0
 
 

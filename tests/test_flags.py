@@ -26,7 +26,7 @@ def test_every_flag_is_set_by_a_compared_run():
 
 def test_every_pair_one_function_reads_is_set_together():
     """Every pair of flags one function reads (dev/flags.py finds them in the code) has a row in
-    docs/flags.md's second table with a test that sets both in one run, or that shows them
+    dev/flag_pairs.md's table with a test that sets both in one run, or that shows them
     refused together; and the table names no pair the code no longer reads."""
     rows, needed = flags.read_pairs(), flags.required_pairs()
     alone = sorted(
