@@ -690,13 +690,13 @@ def summed(losses, stats):
     return {"loss_sum": losses.sum(), "tokens": jnp.int32(losses.size), **stats}
 
 
-def loss_fn(params, apply_fn, tokens, rng):
-    """Mean next-token cross-entropy plus the blocks' auxiliary loss, and the metrics."""
+def loss_fn(params, apply_fn, tokens, rng, pieces=1):
+    """The mean next-token cross-entropy and blocks' auxiliary loss, over `pieces`; the metrics."""
     losses, stats = token_losses(params, apply_fn, tokens, rng)
     loss = losses.mean()
     if "aux_loss_sum" in stats:
         loss = loss + stats["aux_loss_sum"] / losses.size
-    return loss, summed(losses, stats)
+    return loss / pieces, summed(losses, stats)
 
 
 def eval_metrics(state: TrainState, tokens):
@@ -708,11 +708,12 @@ def eval_metrics(state: TrainState, tokens):
 def accumulate_gradients(state: TrainState, batch, rng, microbatches: int):
     """Gradient of the mean loss and summed metrics, `microbatches` pieces one after another
     (lax.scan); piece i takes rows i, i + m, ..., which every device holding the batch has."""
+
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def piece_grads(tokens, i):
+    def piece_grads(tokens, i):  # of its share of the mean: the pieces' gradients only add up
         key = jax.random.fold_in(rng, i)
-        (_, metrics), grads = grad_fn(state.params, state.apply_fn, tokens, key)
+        (_, metrics), grads = grad_fn(state.params, state.apply_fn, tokens, key, microbatches)
         return grads, metrics
 
     if microbatches == 1:
@@ -725,8 +726,7 @@ def accumulate_gradients(state: TrainState, batch, rng, microbatches: int):
     total, _ = jax.lax.scan(
         add_piece, piece_grads(pieces[0], 0), (pieces[1:], jnp.arange(1, microbatches))
     )
-    grads, metrics = total
-    return jax.tree.map(lambda g: g / microbatches, grads), metrics
+    return total
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,42 +1,37 @@
 """The layout in the arrays' types: JAX's default Explicit mesh axes, and jax.jit.
 
-What is where: the devices form a ('data', 'model') mesh (--mesh, data=2,model=4 on 8
-devices) of Explicit axes, JAX's default: the sharding is part of every array's type, as its
-shape is (jax.typeof(x) prints float32[256@model,128]), and each operation gives its result a
-type from its inputs' types. The parameters are split by rules on the model's logical axis
-names (as in logical_pjit.py, so one table per preset trains any model); --rules picks one:
+What is where: a ('data', 'model') mesh (--mesh, data=2,model=4 on 8 devices) of Explicit axes,
+JAX's default: the sharding is part of every array's type (jax.typeof(x) prints
+float32[256@model,128]), and each operation types its result from its inputs'. The parameters
+are split by rules on the model's logical axis names (logical_pjit.py's presets); --rules:
   dp       the batch over all devices; everything else replicated (as shardmap_dp.py)
   fsdp     the batch and every parameter's 'embed' axis over all devices (as fsdp.py)
   hsdp     fsdp within groups along 'model', replicated across 'data'
   tp       the batch over 'data'; heads, MLP units and the vocabulary over 'model' (as pjit_tp.py)
   tp_sp    tp, and the sequence over 'model' between the matmuls (pjit_tp.py --sequence-parallel)
   fsdp_tp  tp, plus every parameter's 'embed' axis over 'data' (2-D sharding)
-A step: the single-device step, and jit partitions it from the types of the state and the
-batch: no in_shardings or out_shardings. Every change of layout is written where it happens,
-in the model contract's hooks, so any model gets it: in `wrap`, reshard gathers each piece's
-parameters for use (FSDP), and out_sharding says where the row-parallel matmuls' partial sums,
-the embedding lookups and the dropout masks land, the places explicit mode will not guess; in
-`attend`, keys and values are laid out as the queries (grouped-query attention).
-Collectives per step, by preset: dp, an all-reduce of the gradients; fsdp, all-gathers of the
-parameters (reshard) and reductions of their gradients (its transpose); tp, per block an
-all-reduce over 'model' of attn/out's and fc2's partial sums in the forward pass and two in the
-backward pass; tp_sp, each of those a reduce-scatter into sequence pieces, and an all-gather
-along the sequence before each column-parallel matmul (where_sums_land); fsdp_tp, both of
-fsdp's and tp's; with tiny ones of the loss's sums, the norm and the metrics.
+A step: the single-device step, which jit partitions from the types of the state and batch. Each
+change of layout is written where it happens, in the model contract's hooks: in `wrap`, reshard
+gathers a piece's parameters (FSDP) and out_sharding says where partial sums, lookups and
+dropout masks land; in `attend`, keys and values are laid out as the queries. Collectives: dp,
+an all-reduce of the gradients; fsdp, all-gathers of the parameters and reductions of their
+gradients; tp, all-reduces over 'model' of the row-parallel matmuls' partial sums; tp_sp, those
+as reduce-scatters into sequence pieces and all-gathers along the sequence; fsdp_tp, fsdp's and
+tp's. With --microbatches, the gradients stay unreduced through the loop, summed once a step.
 
 What changes from pjit_tp.py: the mesh keeps JAX's default axes, so no sharding is left to the
 compiler: where pjit_tp.py's jit takes shardings and places the rest itself, here the arrays
 carry them, and the layout changes the compiler would have chosen unseen are written in the
 model's hooks (the collectives are the same: docs/three_ways.md). The layout is stated by rules
-on logical names (logical_pjit.py's presets). For when to pick which mode: docs/three_ways.md.
+on logical names (logical_pjit.py's presets).
 
 Run:
   python explicit_sharding.py            # a laptop: 8 emulated CPU devices, data=2,model=4
   python explicit_sharding.py --rules fsdp --mesh data=8,model=1 --steps 2000   # a GPU/TPU host
   python explicit_sharding.py --distributed   # every host of a TPU pod slice (README)
 
-Read before: pjit_tp.py and logical_pjit.py. Read next: the JAX docs' "Explicit sharding" and
-"Autodiff and sharding" pages.
+Read before: pjit_tp.py and logical_pjit.py. Read next: JAX's "Explicit sharding" and "Autodiff
+and sharding" pages.
 Read more: docs/three_ways.md; docs/concepts.md (the three modes).
 """
 
@@ -51,6 +46,7 @@ import common
 
 from flax import nnx
 from flax.nnx import bridge
+from flax.traverse_util import flatten_dict, unflatten_dict
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.sharding import reshard
@@ -130,6 +126,16 @@ def axes_of(spec_entry):
     return (spec_entry,) if isinstance(spec_entry, str) else tuple(spec_entry or ())
 
 
+def at_use(param, x):
+    """A parameter typed reduced (summed_once) as it is if x is split over those axes, else
+    (or x None) whole: its gradient arrives summed there."""
+    spec = jax.typeof(param).sharding.spec
+    split = () if x is None else jax.typeof(x).sharding.spec.partitions
+    if spec.reduced <= {a for s in split for a in axes_of(s)}:
+        return param
+    return reshard(param, P(*spec.partitions))
+
+
 def gather_for_use(params, batch_axes):
     """FSDP's all-gather, written as a change of type: just before a piece runs, each of its
     parameters loses its split over the axes that split the batch (a tensor-parallel split over
@@ -138,33 +144,22 @@ def gather_for_use(params, batch_axes):
 
     def gather(param):
         spec = jax.typeof(param).sharding.spec
-        kept = [tuple(a for a in axes_of(s) if a not in batch_axes) or None for s in spec]
-        return reshard(param, P(*kept))
+        kept = [
+            tuple(a for a in axes_of(s) if a not in batch_axes) or None for s in spec.partitions
+        ]
+        return reshard(param, P(*kept, reduced=spec.reduced))
 
     return jax.tree.map(gather, params)
 
 
 def state_layouts(module, sequence):
-    """The three places where explicit mode will not guess a layout, stated layer by layer in
-    a piece made for one call (nnx.merge), whatever the model's layers.
-
-    A matmul whose contracted axis is split on both sides, over the same mesh axes (the
-    row-parallel layers, attn/out and fc2: each device holds part of the sum): out_sharding says
-    the partial sums are added up (an all-reduce over 'model') into a result split as the input's
-    other axes and the kernel's outputs are. nnx.Linear and the layers made like it (a
-    `dot_general` attribute, as common.ExpertDense) take their matmul from `matmul`. A grouped
-    matmul (common.ExpertDense given groups: dropless experts) always states its own (a TPU's
-    kernel lays itself out, common.megablox_matmul).
-    A lookup into an embedding table (a gather) states its result's layout: rows split as the
-    tokens are, features as the table's (explicit mode asks for it even when the table is whole).
-    (nnx.Dropout draws its mask split as its input is, the same bits as on one device.)
-
-    With `sequence` (the mesh axis of --rules tp_sp: Megatron's sequence parallelism) the
-    sequence is split between the matmuls: a matmul's input [rows, length, features] is gathered
-    whole along the sequence (an all-gather; its transpose, a reduce-scatter of the gradient),
-    and a row-parallel matmul's partial sums are added up straight into sequence pieces (a
-    reduce-scatter in place of the all-reduce). A mixture of experts routes whole sequences: its
-    input is gathered, its output split again."""
+    """The places where explicit mode will not guess a layout, stated layer by layer in a piece
+    made for one call (nnx.merge), whatever the model's layers. A matmul whose contracted axis is
+    split alike on both sides (the row-parallel attn/out and fc2) says where its partial sums land
+    (`matmul`: an all-reduce over 'model'); a lookup into a table, its rows' layout (`Lookup`);
+    a scale or bias typed reduced meets the activations laid out as them (`Affine`). With
+    `sequence` (tp_sp) a matmul's input is gathered along the sequence and row-parallel sums land
+    in sequence pieces (a reduce-scatter); a mixture of experts routes whole sequences."""
     for path, layer in list(nnx.iter_modules(module)):
         if getattr(layer, "ragged_dot", None) is jax.lax.ragged_dot_general:  # a TPU's: its own
             layer.ragged_dot = grouped_matmul
@@ -172,6 +167,8 @@ def state_layouts(module, sequence):
             layer.dot_general = functools.partial(matmul, sequence=sequence)
         if isinstance(layer, nnx.Embed):
             replace(module, path, Lookup(layer, sequence))
+        if isinstance(layer, AFFINE) and any(map(is_reduced, vars(layer).values())):
+            replace(module, path, Affine(layer))
         if sequence and isinstance(layer, common.MoeMlp):
             replace(module, path, WholeSequence(layer, sequence))
 
@@ -187,11 +184,72 @@ def replace(module, path, layer):
         setattr(module, name, layer)
 
 
+def is_reduced(param):
+    return isinstance(param, nnx.Param) and bool(jax.typeof(param[...]).sharding.spec.reduced)
+
+
+class Affine(nnx.Module):
+    """A norm or Linear layer whose scale and bias, typed reduced (summed_once), are laid out as
+    its output before they meet it: JAX refuses them beside batch-split activations."""
+
+    def __init__(self, layer):
+        self.layer = layer
+        for name in ("scale", "bias"):  # taken from the layer, which runs without them
+            setattr(self, name, getattr(layer, name, None))
+            if getattr(layer, name, None) is not None:
+                setattr(layer, name, None)
+        if hasattr(layer, "use_bias"):  # nnx.Linear's check
+            layer.use_bias = False
+
+    def __call__(self, x):
+        y = self.layer(x)
+        for name, combine in (("scale", jnp.multiply), ("bias", jnp.add)):
+            if (param := getattr(self, name)) is not None:
+                p, dims = at_use(param[...], y).astype(y.dtype), range(y.ndim - param.ndim, y.ndim)
+                laid_out = jax.typeof(y).sharding.spec
+                y = combine(y, jax.lax.broadcast_in_dim(p, y.shape, dims, out_sharding=laid_out))
+        return y
+
+
+# The layers that read a parameter reduced, by its name there; any other's gradient (a linen
+# piece's, a layer of the model's own) is summed over the devices at each micro-batch.
+TAKES_REDUCED = {
+    "kernel": (nnx.Linear, nnx.LinearGeneral, common.ExpertDense),
+    "embedding": nnx.Embed,
+    "scale": (nnx.LayerNorm, nnx.RMSNorm),
+    "bias": (nnx.Linear, nnx.LinearGeneral, nnx.LayerNorm),
+}
+AFFINE = (*TAKES_REDUCED["scale"], *TAKES_REDUCED["bias"])
+
+
+def summed_once(model, params, batch_axes):
+    """The parameters whole over the batch's axes that a layer takes reduced, typed reduced
+    over them: each gradient stays each device's partial sum until train_step sums it once."""
+    taken = set()
+    for name, piece in model.defs.items():
+        held = {**flatten_dict(nnx.to_pure_dict(piece.params)), **piece.unread}
+        module = nnx.merge(piece.graphdef, unflatten_dict(held), piece.streams)
+        for path, layer in nnx.iter_modules(module):
+            taken |= {
+                (name, *path, a) for a in vars(layer) if isinstance(layer, TAKES_REDUCED.get(a, ()))
+            }
+
+    def typed(path, param):
+        piece, *keys = [k.key for k in path]  # embed, block_0 (or blocks), head; the layer's
+        spec = jax.typeof(param).sharding.spec
+        split = {a for s in spec for a in axes_of(s)} & set(batch_axes)  # FSDP's: gathered
+        if split or ("block" if piece.startswith("block") else piece, *keys) not in taken:
+            return param
+        return reshard(param, P(*spec, reduced=set(batch_axes)))
+
+    return jax.tree_util.tree_map_with_path(typed, params)
+
+
 def matmul(x, kernel, dims, precision=None, out_sharding=None, sequence=None, **kwargs):
     """lax.dot_general, its result's layout stated where its partial sums land (state_layouts):
     any kernel's, [in, out] or nnx.LinearGeneral's ([embed, heads, head_dim], ...)."""
     (x_in, kernel_in), (x_batch, kernel_batch) = dims
-    x_spec, kernel_spec = (jax.typeof(t).sharding.spec for t in (x, kernel))
+    x_spec, kernel_spec = (jax.typeof(t).sharding.spec.partitions for t in (x, kernel))
     pairs = zip(x_in, kernel_in, strict=True)  # the contracted axes, x's and the kernel's
     split = [(axes_of(x_spec[a]), axes_of(kernel_spec[b])) for a, b in pairs]
     in_sequence = sequence and x.ndim >= 3 and not x_batch  # [rows, length, features...]
@@ -204,6 +262,8 @@ def matmul(x, kernel, dims, precision=None, out_sharding=None, sequence=None, **
         out_sharding = P(*out)
     elif in_sequence:  # a column-parallel matmul (or a whole one) takes the whole sequence
         x = along_sequence(x, None)
+    # Sums landing in sequence pieces: JAX 0.10 cannot leave the kernel's gradient unreduced
+    kernel = at_use(kernel, None if in_sequence and out_sharding else x)
     return jax.lax.dot_general(x, kernel, dims, precision, out_sharding=out_sharding, **kwargs)
 
 
@@ -216,8 +276,11 @@ class Lookup(nnx.Module):
     def __call__(self, tokens, out_sharding=None):
         if out_sharding is not None:  # the model states its own
             return self.embed(tokens, out_sharding=out_sharding)
-        table = self.embed.embedding[...].astype(self.embed.dtype or jnp.float32)
-        features, spec = jax.typeof(table).sharding.spec[-1], jax.typeof(tokens).sharding.spec
+        table = at_use(self.embed.embedding[...], tokens).astype(self.embed.dtype or jnp.float32)
+        features, spec = (
+            jax.typeof(table).sharding.spec.partitions[-1],
+            jax.typeof(tokens).sharding.spec,
+        )
         if self.sequence and tokens.ndim == 1:  # positions, [length]: their pieces of the table
             return table.at[tokens].get(out_sharding=P(self.sequence, features))
         looked_up = table.at[tokens].get(out_sharding=P(*spec, features))
@@ -254,25 +317,21 @@ def grouped_matmul(x, kernel, group_sizes, dimensions):
     by the compiler inside (jax.sharding.auto_axes, as laid_out_inside): explicit mode infers no
     layout for a grouped matmul, and its gradient's grouped matmuls take no out_sharding (JAX
     0.10). Its result is laid out as x's slots and the kernel's outputs are."""
-    out = P(*jax.typeof(x).sharding.spec[:-1], jax.typeof(kernel).sharding.spec[-1])
+    out = P(*jax.typeof(x).sharding.spec[:-1], jax.typeof(kernel).sharding.spec.partitions[-1])
     grouped = functools.partial(jax.lax.ragged_dot_general, ragged_dot_dimension_numbers=dimensions)
     return jax.sharding.auto_axes(grouped, out_sharding=out)(x, kernel, group_sizes)
 
 
 def attend_as_queries(q, k, v, attend):
-    """Attention with its keys and values laid out as its queries are. Grouped-query attention
-    makes them from fewer heads than the queries (tests/llama.py), which the 'model' split need
-    not divide, and repeats them: explicit mode will not pair split query heads with key heads
-    laid out otherwise, where auto mode moves them unseen."""
+    """Attention with its keys and values laid out as its queries: grouped-query attention has
+    fewer key heads, which explicit mode will not pair with split query heads unseen."""
     spec = jax.typeof(q).sharding.spec
     return attend(q, reshard(k, spec), reshard(v, spec))
 
 
 def laid_out_inside(module, x, batch_axes):
-    """A linen piece (flax.nnx.bridge): its layers out of sight of state_layouts, so inside it
-    the compiler lays out what explicit mode will not guess (jax.sharding.auto_axes: Auto axes,
-    as pjit_tp.py's), between explicit layouts at its edges: its activations' rows split over
-    the batch axes, what it reports whole."""
+    """A linen piece (flax.nnx.bridge), out of state_layouts' sight: laid out inside by the
+    compiler (jax.sharding.auto_axes), its edges' rows split over the batch axes."""
     graphdef, state = nnx.split(module)
     returns_pair = []
 
@@ -286,9 +345,8 @@ def laid_out_inside(module, x, batch_axes):
 
 
 def explicit_layout(batch_axes, sequence=None):
-    """The `wrap` of the model contract (common.Model): each piece gathers its parameters for
-    use, and states the layouts explicit mode asks for (state_layouts), whatever the model's
-    layers. With `sequence` (--rules tp_sp), each piece takes its input split along it."""
+    """The model contract's `wrap`: each piece gathers its parameters for use and states the
+    layouts explicit mode asks for (state_layouts); with `sequence` (tp_sp), its input split."""
 
     def wrap(run):
         def run_explicit(piece, params, x, rng):
@@ -342,7 +400,13 @@ def init_state(config, mesh, shapes_only=False):
 def train_step(state, batch, config):
     """The single-device step, unchanged: jit partitions it over the mesh."""
     rng = jax.random.fold_in(state.rng, state.step)
-    grads, metrics = common.accumulate_gradients(state, batch, rng, config.microbatches)
+    local = state
+    if config.microbatches > 1:  # the gradients summed over the devices once, after all
+        batch_axes = axes_of(jax.typeof(batch).sharding.spec[0])
+        local = state.replace(params=summed_once(state.apply_fn, state.params, batch_axes))
+    grads, metrics = common.accumulate_gradients(local, batch, rng, config.microbatches)
+    # The step's one reduction of what stayed unreduced, to the parameters' layout
+    grads = jax.tree.map(lambda g, p: reshard(g, jax.typeof(p).sharding.spec), grads, state.params)
     # The global norm, for clipping: jit adds up its shards' partial sums
     norm = optax.tree.norm(common.learned(grads))
     state = state.apply_gradients(grads=common.clip(grads, norm, config.clip_norm))

@@ -570,11 +570,15 @@ def test_the_same_tokens_are_dropped(name):
 
 # Micro-batches are common.accumulate_gradients in every script but pipeline.py (its schedule,
 # which every pipeline run compared with one device runs): one script per way of splitting the
-# rows (by hand in shard_map, by the compiler's shardings); the others with -m full.
-MICRO = ["shardmap_dp", "pjit_tp"]
+# rows (by hand in shard_map, by the compiler's shardings, in the types, whose gradients stay
+# unreduced through the loop); the others, and every explicit preset, with -m full.
+MICRO = ["shardmap_dp", "pjit_tp", "explicit_tp"]
+EXPLICIT = [name for name in STRATEGIES if name.startswith("explicit_")]
 
 
-@pytest.mark.parametrize("name", matrix(list(DEFAULTS.values()), MICRO))
+@pytest.mark.parametrize(
+    "name", matrix(list(dict.fromkeys([*DEFAULTS.values(), *EXPLICIT])), MICRO)
+)
 def test_microbatches_match(name):
     flags = {"microbatches": 4, "batch_size": 32}
     compare(name, run(name, **flags), reference(batch_size=32, **model_flags(name)), flags)
