@@ -204,7 +204,6 @@ def test_dropless_experts_compile_by_megablox_grouped_matmul(script, tmp_path):
         assert summary["collectives"]["all-gather"]["count"] == 0  # no token gathered
 
 
-@FULL
 # Every pytest: tensor parallelism; -m full: data parallelism too
 @pytest.mark.parametrize("rules", matrix(["tp", "dp"], ["tp"]))
 def test_explicit_sharding_reduces_the_gradients_once_on_a_tpu(rules, tmp_path):
@@ -219,6 +218,7 @@ def test_explicit_sharding_reduces_the_gradients_once_on_a_tpu(rules, tmp_path):
     assert one["bytes"] <= four["bytes"] <= 1.15 * one["bytes"]
 
 
+@FULL
 def test_dropless_holds_little_more_than_the_dense_model(tmp_path):
     """Dropless routing's TPU program against the dense model's, 4 blocks of width 512, 1,024
     tokens: beyond the parameters' gradients (8 experts hold 8 x the MLP's), within 1.5 x its
