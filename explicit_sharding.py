@@ -127,8 +127,8 @@ def axes_of(spec_entry):
 
 
 def at_use(param, x):
-    """A parameter typed reduced (summed_once) as it is if x is split over those axes, else
-    (or x None) whole: its gradient arrives summed there."""
+    """A reduced parameter (summed_once) as it is beside x split over its axes, else whole (its
+    gradient arrives summed)."""
     spec = jax.typeof(param).sharding.spec
     split = () if x is None else jax.typeof(x).sharding.spec.partitions
     if spec.reduced <= {a for s in split for a in axes_of(s)}:
@@ -153,13 +153,13 @@ def gather_for_use(params, batch_axes):
 
 
 def state_layouts(module, sequence):
-    """The places where explicit mode will not guess a layout, stated layer by layer in a piece
-    made for one call (nnx.merge), whatever the model's layers. A matmul whose contracted axis is
-    split alike on both sides (the row-parallel attn/out and fc2) says where its partial sums land
-    (`matmul`: an all-reduce over 'model'); a lookup into a table, its rows' layout (`Lookup`);
-    a scale or bias typed reduced meets the activations laid out as them (`Affine`). With
-    `sequence` (tp_sp) a matmul's input is gathered along the sequence and row-parallel sums land
-    in sequence pieces (a reduce-scatter); a mixture of experts routes whole sequences."""
+    """Where explicit mode will not guess a layout, stated layer by layer in a piece made for
+    one call (nnx.merge). A matmul whose contracted axis is split alike on both sides (the
+    row-parallel attn/out and fc2) says where its partial sums land (`matmul`: an all-reduce over
+    'model'); a lookup into a table, its rows' layout (`Lookup`); a reduced scale or bias meets
+    the activations laid out as them (`Affine`). With `sequence` (tp_sp) a matmul's input is
+    gathered along the sequence, row-parallel sums land in sequence pieces (a reduce-scatter),
+    and a mixture of experts routes whole sequences."""
     for path, layer in list(nnx.iter_modules(module)):
         if getattr(layer, "ragged_dot", None) is jax.lax.ragged_dot_general:  # a TPU's: its own
             layer.ragged_dot = grouped_matmul
@@ -189,8 +189,8 @@ def is_reduced(param):
 
 
 class Affine(nnx.Module):
-    """A norm or Linear layer whose scale and bias, typed reduced (summed_once), are laid out as
-    its output before they meet it: JAX refuses them beside batch-split activations."""
+    """A norm or Linear layer whose reduced scale and bias (summed_once) are laid out as its
+    output first: JAX refuses them beside batch-split activations."""
 
     def __init__(self, layer):
         self.layer = layer
@@ -262,7 +262,7 @@ def matmul(x, kernel, dims, precision=None, out_sharding=None, sequence=None, **
         out_sharding = P(*out)
     elif in_sequence:  # a column-parallel matmul (or a whole one) takes the whole sequence
         x = along_sequence(x, None)
-    # Sums landing in sequence pieces: JAX 0.10 cannot leave the kernel's gradient unreduced
+    # Sums into sequence pieces: JAX 0.10 cannot leave the kernel's gradient unreduced
     kernel = at_use(kernel, None if in_sequence and out_sharding else x)
     return jax.lax.dot_general(x, kernel, dims, precision, out_sharding=out_sharding, **kwargs)
 
@@ -419,7 +419,10 @@ def eval_step(state, batch):
 
 
 def batch_sharding(mesh, rules):
-    return NamedSharding(mesh, P(dict(rules)["batch"]))
+    # Over axes of more than one device (lax.scan refuses the micro-batches' reshape otherwise)
+    return NamedSharding(
+        mesh, P(tuple(a for a in axes_of(dict(rules)["batch"]) if mesh.shape[a] > 1))
+    )
 
 
 def device_batch(batch, mesh, rules):

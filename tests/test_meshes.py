@@ -255,3 +255,16 @@ def test_fsdp_keeps_its_data_axis_and_splits_no_scanned_layers_axis():
     split = fsdp.shard_params(params, config)
     assert split["blocks"]["w"].out_sharding == (None, "data", None)
     assert split["head"]["w"].out_sharding == ("data", None, None)
+
+
+def test_micro_batches_on_a_mesh_axis_of_one_device():
+    """explicit_sharding.py --rules dp --mesh data=8,model=1 (the README's flags for one host)
+    with --microbatches 4: the batch is split over 'data' alone (an axis of one device in its
+    layout made lax.scan refuse the micro-batches), and trains as one device does."""
+    from test_equivalence import reference, relative
+    from tests.harness import RTOL, run
+
+    result = run("explicit_dp", mesh="data=8,model=1", microbatches=4, batch_size=32, steps=2)
+    ref = reference(batch_size=32)  # test_microbatches_match's: the same first steps
+    assert relative(result.losses, ref.losses[:2]) <= RTOL
+    assert relative(result.grad_norms, ref.grad_norms[:2]) <= RTOL
