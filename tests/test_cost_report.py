@@ -222,14 +222,14 @@ def test_data_parallel_reduces_the_gradients_once(name):
     assert accumulated["collectives"]["all-reduce"] == summary["collectives"]["all-reduce"]
 
 
-# Every pytest: tensor parallelism (test_microbatches_match's run); -m full: data parallelism too
+# Every pytest: tensor parallelism; -m full: data parallelism too (a step each: the program counts)
 @pytest.mark.parametrize("name", matrix(["explicit_tp", "explicit_dp"], ["explicit_tp"]))
 def test_explicit_sharding_reduces_the_gradients_once(name):
     """With 4 micro-batches the gradients of the parameters whole over the batch's axes stay
     each device's partial sums (typed unreduced) through the loop and are summed once after it:
     the all-reduces send about what one micro-batch's do (at most 1.15 x: the position table,
     read beside no batch-split activation, is summed at each micro-batch), not 4 x."""
-    one, four = (cost(name, microbatches=m, batch_size=32)[1] for m in (1, 4))
+    one, four = (cost(name, microbatches=m, batch_size=32, steps=1)[1] for m in (1, 4))
     print(
         f"\n{name}: all-reduce {one['all-reduce']:,} B, with 4 micro-batches {four['all-reduce']:,}"
     )
