@@ -708,10 +708,9 @@ def eval_metrics(state: TrainState, tokens):
 def accumulate_gradients(state: TrainState, batch, rng, microbatches: int):
     """Gradient of the mean loss and summed metrics, `microbatches` pieces one after another
     (lax.scan); piece i takes rows i, i + m, ..., which every device holding the batch has."""
-
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def piece_grads(tokens, i):  # of its share of the mean: the pieces' gradients only add up
+    def piece_grads(tokens, i):  # of the piece's 1/m share of the loss: gradients only add up
         key = jax.random.fold_in(rng, i)
         (_, metrics), grads = grad_fn(state.params, state.apply_fn, tokens, key, microbatches)
         return grads, metrics
