@@ -11,8 +11,8 @@ head) all-gathers its full parameters just before it runs, and each block again 
 pass rather than keeping them alive in between. Autodiff turns each all-gather into its transpose, a
 reduce-scatter, which leaves each device the summed gradient of its own shard (divided by N for the
 mean), then all-reduced across the replicas. Adam is elementwise, so each device updates only its
-shard. Collectives per step: all-gathers of the parameters (forward and backward; with
---keep-gathered forward only, the gathered parameters kept for the backward pass) and
+shard. Collectives per step: all-gathers of the parameters (forward and backward, per
+micro-batch; --keep-gathered: once a step) and
 reduce-scatters of their gradients over 'data', all-reduces of the shards' gradients across
 'replica', an all-reduce of any replicated ones, and tiny ones of the gradient norm and of the
 metrics.
@@ -60,9 +60,8 @@ class Config(common.Config):
     )
     keep_gathered: bool = common.arg(
         False,
-        "keep the gathered parameters for the backward pass instead of gathering them again: a "
-        "third fewer collective bytes, but by the end of the forward pass the whole model on "
-        "every device",
+        "gather the whole model once a step, for all micro-batches: a third fewer collective "
+        "bytes (more with --microbatches), but the whole model and its gradient on every device",
     )
 
     def mesh_axes(self):
@@ -75,12 +74,6 @@ class Config(common.Config):
             self.min_shard_size >= 0,
             "min_shard_size",
             "must be zero or more, e.g. --min-shard-size 0",
-        )
-        common.require(
-            not (self.keep_gathered and self.remat),
-            "keep_gathered",
-            "keeps the gathered parameters for the backward pass, where --remat computes each "
-            "block again, its gather too: give one of them, e.g. --no-remat",
         )
 
 
@@ -131,22 +124,21 @@ def mesh_specs(tree):
     return jax.tree.map(spec, tree, is_leaf=is_sharded)
 
 
+def split_axis(p):
+    # counted from the last axis: a scanned block's slice has lost the first
+    return p.get_value().ndim + p.out_sharding.index("data") - len(p.out_sharding)
+
+
 def gather_params(params):
     def gather(p):
-        if not is_sharded(p):
-            return p
-        # counted from the last axis: a scanned block's slice has lost the first
-        shard = p.get_value()
-        axis = shard.ndim + p.out_sharding.index("data") - len(p.out_sharding)
-        return lax.all_gather(shard, "data", axis=axis, tiled=True)
+        return lax.all_gather(p.get_value(), "data", axis=split_axis(p), tiled=True)
 
-    return jax.tree.map(gather, params, is_leaf=is_sharded)
+    return jax.tree.map(lambda p: gather(p) if is_sharded(p) else p, params, is_leaf=is_sharded)
 
 
 def gather_and_keep(run):
     """Let a piece of the model see full parameters, gathered just before nnx.merge makes it
-    (run: common.run_piece). Autodiff keeps what the backward pass needs of them
-    (--keep-gathered)."""
+    (run: common.run_piece). Autodiff keeps what the backward pass needs of them."""
     return lambda piece, params, x, rng: run(piece, gather_params(params), x, rng)
 
 
@@ -162,6 +154,14 @@ def gather_before_use(run):
     keep, policy = gather_and_keep(run), jax.checkpoint_policies.dots_saveable
     again = jax.checkpoint(keep, policy=policy, static_argnums=(0,))
     return lambda piece, *args: (keep if piece.name == "head" else again)(piece, *args)
+
+
+def scatter(param, grad):
+    """The gathers' transpose: each device keeps its shard of the gradient summed over 'data'."""
+    if not is_sharded(param):
+        return grad
+    shard = lax.psum_scatter(grad, "data", scatter_dimension=split_axis(param), tiled=True)
+    return param.replace(value=shard)
 
 
 def average(grad):
@@ -216,8 +216,11 @@ def train_step(state, batch, config):
         state.params,
         is_leaf=is_sharded,
     )
-    local = state.replace(params=params)
+    # --keep-gathered: the whole model for every micro-batch, gathered and scattered once
+    local = state.replace(params=gather_params(params) if config.keep_gathered else params)
     grads, metrics = common.accumulate_gradients(local, batch, rng, config.microbatches)
+    if config.keep_gathered:
+        grads = jax.tree.map(scatter, params, grads, is_leaf=is_sharded)
     grads = jax.tree.map(average, grads, is_leaf=is_sharded)
     metrics = lax.psum(metrics, every_device())
     # Of the shards, and the rest

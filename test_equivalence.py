@@ -1023,11 +1023,13 @@ def test_fsdp_gathers_again_for_the_backward_pass_unless_told_to_keep(keep):
     every parameter but fc2's bias, added to the block's output (nothing computed again reads
     it), in float32 and in bfloat16 alike; the
     embedding's and the head's once (the head's backward pass follows its forward at once).
-    With --keep-gathered, every parameter once. Both in the program JAX hands to XLA and in
-    the compiled step, the program that runs (common.CPU_COMPILER_OPTIONS keeps XLA:CPU from
-    merging the two gathers), and both train as one device does."""
-    config = fsdp.Config(**SMALL, keep_gathered=keep)
-    result = run("fsdp", keep_gathered=True) if keep else run("fsdp")
+    With --keep-gathered, every parameter once a step, for two micro-batches, under --remat and
+    a clipping threshold that binds. Both in the program JAX hands to XLA and in the compiled
+    step, the program that runs (common.CPU_COMPILER_OPTIONS keeps XLA:CPU from merging the two
+    gathers), and both train as one device does."""
+    flags = dict(keep_gathered=True, microbatches=2, remat=True, clip_norm=0.05) if keep else {}
+    config = fsdp.Config(**{**SMALL, **flags})
+    result = run("fsdp", **flags)
     mesh, state = fsdp.make_mesh(config), result.state
     spec = fsdp.mesh_specs(state)
     step_fn = jax.jit(
@@ -1065,7 +1067,9 @@ def test_fsdp_gathers_again_for_the_backward_pass_unless_told_to_keep(keep):
         out_specs=(fsdp.mesh_specs(shapes), fsdp.P()),
     )
     assert primitive_count(jax.make_jaxpr(step_bf16)(shapes, batch).jaxpr, "all_gather") == gathers
-    compare("fsdp", result, reference(), {"keep_gathered": True} if keep else {})
+    ref = reference(clip_norm=flags.get("clip_norm", 1.0))
+    assert not keep or min(ref.grad_norms) > flags["clip_norm"]  # it clips every step
+    compare("fsdp", result, ref, flags)
 
 
 # Every pytest: FSDP; -m full: HSDP, whose whole parameters are averaged across the replicas too

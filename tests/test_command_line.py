@@ -315,11 +315,6 @@ BAD_INPUTS = [
     (["--dropout", "1"], ("pmap_dp",), "--dropout must be below 1"),
     (["--warmup-steps", "-1"], ("pmap_dp",), "--warmup-steps must be at least 0"),
     (["--min-shard-size", "-1"], ("fsdp",), "--min-shard-size must be zero or more"),
-    (
-        ["--keep-gathered", "--remat", "--min-shard-size", "64"],
-        ("fsdp",),
-        "--keep-gathered keeps the gathered parameters",
-    ),
     (["--dtype", "float16"], SCRIPTS, "argument --dtype: invalid choice: 'float16'"),
     (["--rules", "zero3"], RULED, "argument --rules: invalid choice: 'zero3'"),
     (["--dataset", "no_such_dataset"], ("shardmap_dp",), "--dataset no_such_dataset is neither"),

@@ -78,21 +78,22 @@ def test_flags_one_function_reads_pair_up():
 
 def test_a_refusal_covers_the_pairs_its_checks_read_and_no_others():
     """A run only checked (refused, or its example passing every check) sets a pair together
-    for a function that refuses flags (fsdp.py's Config.validate), not for one that computes
-    with them (fsdp.py's init_state); a refusal naming one flag of a pair whose example leaves
-    the other out shows the two refused together, which no run can set."""
+    for a function that refuses flags (common.py's check_training), not for one that computes
+    with them (common.py's GPT.__init__); a refusal naming one flag of a pair whose example
+    leaves the other out shows the two refused together, which no run can set."""
     test = "tests/test_command_line.py::test_bad_input_exits_2_with_one_line[...]"
-    refused = {"test": test, "script": "fsdp", "flags": ["keep_gathered", "remat", "steps"]}
-    refused |= {"checked": True, "refused": "keep_gathered"}
-    example = {"test": test, "script": "fsdp", "flags": ["keep_gathered", "steps"]}
+    shared = flags.SHARED
+    refused = {"test": test, "script": "fsdp", "flags": ["d_model", "tie_embeddings", "steps"]}
+    refused |= {"checked": True, "refused": "tie_embeddings"}
+    example = {"test": test, "script": "fsdp", "flags": ["tie_embeddings", "steps"]}
     found = flags.pair_tests([refused, example | {"checked": True}])
-    assert "fsdp.py:Config.validate" in flags.refusing()
-    assert "fsdp.py:init_state" not in flags.refusing()
-    assert flags.required_pairs()["keep_gathered", "remat", "fsdp"] == [
-        "fsdp.py:Config.validate",
-        "fsdp.py:init_state",
+    assert "common.py:check_training" in flags.refusing()
+    assert "common.py:GPT.__init__" not in flags.refusing()
+    assert flags.required_pairs()["d_model", "tie_embeddings", shared] == [
+        "common.py:GPT.__init__",
+        "common.py:check_training",
     ]
-    assert found["keep_gathered", "remat", "fsdp"] == (set(), {test})  # refused together
-    assert not found["min_shard_size", "remat", "fsdp"][1]  # the refusal names neither
+    assert found["d_model", "tie_embeddings", shared] == (set(), {test})  # refused together
+    assert not found["attention", "d_model", shared][1]  # the refusal names neither
     alone = flags.pair_tests([{**refused, "refused": "steps"}])  # no example: not shown
-    assert alone["keep_gathered", "remat", "fsdp"] == (set(), set())
+    assert alone["d_model", "tie_embeddings", shared] == (set(), set())
