@@ -27,6 +27,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
+import safetensors
 from flax import nnx
 from flax.linen import logical_to_mesh_axes
 from flax.linen import with_logical_constraint as constrain  # rules' layout; none: x
@@ -1597,6 +1598,11 @@ class Config(TrainingConfig):
     eval_every: int = arg(100, "evaluate on held-out batches every this many steps", min=0)
     eval_batches: int = arg(8, "held-out batches per evaluation, the same ones each time", min=1)
     checkpoint_dir: str | None = arg(None, "save checkpoints here; resume from the newest found")
+    init_from: str | None = arg(
+        None,
+        "with no checkpoint to resume, start from the parameters of any script's checkpoint "
+        "folder or a .safetensors file (tools/export.py)",
+    )
     checkpoint_every: int = arg(100, "steps between checkpoints; the last step saves too", min=1)
     keep: int = arg(3, "how many of the newest checkpoints to keep", min=1)
     log_every: int = arg(25, "print and record metrics every this many steps", min=1)
@@ -1839,23 +1845,33 @@ class Checkpoints:
             )
 
     def restore(self, state):
-        """The newest checkpoint, laid out like `state`, and its step; (state, 0) if none."""
-        if not (self.checkpointer and self.checkpointer.latest):
+        """The newest checkpoint, laid out like `state`, and its step; with none, `state` with
+        --init-from's parameters (a checkpoint folder's newest, or a file's), and 0."""
+        latest, init = self.checkpointer and self.checkpointer.latest, self.config.init_from
+        if not (latest or init):
             return state, 0
-        step, folder = self.checkpointer.latest.step, self.config.checkpoint_dir
-        like = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)  # noqa: E731
+        mine, folder = self.to_saved(state), self.config.checkpoint_dir
+        like = jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), mine
+        )
         try:
-            saved = self.checkpointer.load(step, jax.tree.map(like, self.to_saved(state)))
+            if latest:
+                saved = self.checkpointer.load(latest.step, like)
+            else:  # a fresh optimizer, at step 0
+                saved = mine.replace(params=read_params(init, like.params))
             problem = None if finite(saved) else "it holds non-finite values"
         except Exception as error:  # Orbax's errors have no common type
             problem = one_line(error)
+        where = (
+            f"--checkpoint-dir {folder}: step {latest.step}" if latest else f"--init-from {init}"
+        )
         if problem:
-            aside = "move it out of the folder to resume from the one before"
-            exit_bad_input(
-                f"--checkpoint-dir {folder}: step {step} is unreadable ({problem}); {aside}"
-            )
-        log_print(f"resumed from the checkpoint of step {step} in {folder}")
-        return self.from_saved(saved, state), step
+            aside = "; move it out of the folder to resume from the one before" if latest else ""
+            exit_bad_input(f"{where} is unreadable ({problem}){aside}")
+        ignored = f", not --init-from {init}" if latest and init else ""
+        resumed = latest and f"resumed from the checkpoint of step {latest.step} in {folder}"
+        log_print((resumed or f"started from the parameters in {init}") + ignored)
+        return self.from_saved(saved, state), latest.step if latest else 0
 
     def due(self, step: int, stopping: bool) -> bool:
         """Whether the state after step `step` is saved: a policy says so or the run stops."""
@@ -1875,6 +1891,28 @@ class Checkpoints:
             self.checkpointer.close()
 
 
+def read_params(path: str, like):
+    """Parameters laid out as `like`, each device reading its shards: a checkpoint folder's
+    newest, or a .safetensors file's, each named by its path (block_0/attn/qkv/kernel)."""
+    if not path.endswith(".safetensors"):
+        options = ocp.Context()
+        options.pytree.loading.partial_load = True  # not the optimizer's state
+        with ocp.training.Checkpointer(os.path.abspath(path)) as saved, options:
+            return saved.load(saved.latest.step, {"params": like})["params"]
+    with safetensors.safe_open(path, "numpy") as file:
+
+        def read(path, x):
+            name = jax.tree_util.keystr(path, simple=True, separator="/")
+            part = file.get_slice(name)
+            if tuple(part.get_shape()) != x.shape:
+                raise ValueError(f"{name} is {tuple(part.get_shape())}, the flags make {x.shape}")
+            return jax.make_array_from_callback(
+                x.shape, x.sharding, lambda i: part[i].astype(x.dtype)
+            )
+
+        return jax.tree_util.tree_map_with_path(read, like)
+
+
 def one_line(error: Exception) -> str:
     """The first line of the root of an error chain (Orbax's and TensorStore's are long)."""
     while (error.__cause__ or error.__context__) is not None:
@@ -1884,19 +1922,21 @@ def one_line(error: Exception) -> str:
 
 
 def check_checkpoint(config: Config):
-    """Refuse a --checkpoint-dir of another model; say which flags changed since it was saved."""
-    folder, eg = config.checkpoint_dir, "e.g. --checkpoint-dir runs/new"
-    if not folder or "://" in folder or not os.path.isdir(folder):
+    """Refuse a --checkpoint-dir or --init-from of another model; say which flags changed since
+    the checkpoint resumed was saved."""
+    folder, init, eg = config.checkpoint_dir, config.init_from, "e.g. --checkpoint-dir runs/new"
+    ours = []
+    if folder and "://" not in folder and os.path.isdir(folder):
+        numbered = sorted((n for n in os.listdir(folder) if n.isdigit()), key=int)
+        ours = [n for n in numbered if os.path.exists(f"{folder}/{n}/_CHECKPOINT_METADATA")]
+        theirs = f"{folder} holds folders named {', '.join(numbered)} that are not checkpoints"
+        require(ours or not numbered, "checkpoint_dir", f"{theirs}, {eg}")
+    if not (ours or init):
         return
-    numbered = sorted((n for n in os.listdir(folder) if n.isdigit()), key=int)
-    ours = [n for n in numbered if os.path.exists(f"{folder}/{n}/_CHECKPOINT_METADATA")]
-    theirs = f"{folder} holds folders named {', '.join(numbered)} that are not checkpoints"
-    require(ours or not numbered, "checkpoint_dir", f"{theirs}, {eg}")
-    if not ours:
-        return
-    flags, where = {}, f"the checkpoint of step {ours[-1]} in {folder}"
-    with contextlib.suppress(Exception), ocp.training.Checkpointer(os.path.abspath(folder)) as c:
-        flags = c.metadata(int(ours[-1])).custom_metadata["flags"]  # unreadable: restore() says
+    missing = f"{init} does not exist, e.g. --init-from runs/first"
+    require(ours or "://" in init or os.path.exists(init), "init_from", missing)
+    where = f"the checkpoint of step {ours[-1]} in {folder}" if ours else f"--init-from {init}"
+    flags = recorded_flags(folder if ours else init)
     for name in SHAPE_FLAGS:
         here, there = getattr(config, name), flags.get(name, getattr(config, name))
         require(
@@ -1906,8 +1946,20 @@ def check_checkpoint(config: Config):
         )
     now = {name: getattr(config, name) for name in TRAJECTORY_FLAGS}
     changed = [f"{flag(n)} {flags[n]} -> {v}" for n, v in now.items() if flags.get(n, v) != v]
-    if changed:
+    if ours and changed:
         log_print(f"resuming with changed flags: {', '.join(changed)}")
+
+
+def recorded_flags(path: str) -> dict:
+    """The flags a folder's newest checkpoint or a .safetensors file was made by; {} if it records
+    none or cannot be read (restore() says why)."""
+    with contextlib.suppress(Exception):
+        if path.endswith(".safetensors"):
+            with safetensors.safe_open(path, "numpy") as file:
+                return json.loads(file.metadata()["flags"])
+        with ocp.training.Checkpointer(os.path.abspath(path)) as saved:
+            return saved.metadata(saved.latest.step).custom_metadata["flags"]
+    return {}
 
 
 # ----------------------------------------------------------------------------------------------

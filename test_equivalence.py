@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import safetensors.numpy
+from flax.traverse_util import unflatten_dict
 from jax.sharding import PartitionSpec as P
 
 import common
@@ -113,6 +115,9 @@ def one_device(config):
     """The reference's initial state and its step: plain jax.jit on one device, which also says of
     each parameter element whether its Adam steps stayed insensitive to rounding (CONDITIONED)."""
     state = jax.jit(functools.partial(common.create_state, config, common.make_model(config)))()
+    if config.init_from:  # a file's parameters (tools/export.py's), read whole by another reader
+        saved = safetensors.numpy.load_file(config.init_from).items()
+        state = state.replace(params=unflatten_dict({tuple(k.split("/")): v for k, v in saved}))
 
     @jax.jit
     def train_step(state, batch, conditioned):
@@ -1019,17 +1024,14 @@ def primitive_count(jaxpr, name):
 @pytest.mark.parametrize("keep", [False, True], ids=["gathers-again", "keep-gathered"])
 def test_fsdp_gathers_again_for_the_backward_pass_unless_told_to_keep(keep):
     """By default a block's parameters are all-gathered for the forward pass and again for the
-    backward, which computes from them again all but the matmuls' outputs (remat's dots_saveable):
-    every parameter but fc2's bias, added to the block's output (nothing computed again reads
-    it), in float32 and in bfloat16 alike; the
-    embedding's and the head's once (the head's backward pass follows its forward at once).
-    With --keep-gathered, every parameter once a step, for two micro-batches, under --remat and
-    a clipping threshold that binds. Both in the program JAX hands to XLA and in the compiled
-    step, the program that runs (common.CPU_COMPILER_OPTIONS keeps XLA:CPU from merging the two
-    gathers), and both train as one device does."""
+    backward, which computes from them again all but the matmuls' outputs (dots_saveable): every
+    parameter but fc2's bias (nothing computed again reads it), float32 and bfloat16 alike; the
+    embedding's and the head's once. --keep-gathered: every parameter once a step, for two
+    micro-batches, under --remat and a clipping threshold that binds. In the program JAX hands
+    to XLA and in the compiled step (common.CPU_COMPILER_OPTIONS keeps XLA:CPU from merging the
+    two gathers); both train as one device does."""
     flags = dict(keep_gathered=True, microbatches=2, remat=True, clip_norm=0.05) if keep else {}
-    config = fsdp.Config(**{**SMALL, **flags})
-    result = run("fsdp", **flags)
+    config, result = fsdp.Config(**{**SMALL, **flags}), run("fsdp", **flags)
     mesh, state = fsdp.make_mesh(config), result.state
     spec = fsdp.mesh_specs(state)
     step_fn = jax.jit(

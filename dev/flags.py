@@ -15,6 +15,8 @@ recorded, so a table cannot keep a claim a test stopped making.
   FLAGS_RECORD=/tmp/flags pytest -m ""        # every test, recording (about 45 minutes)
   python dev/flags.py /tmp/flags --write    # rewrite docs/flags.md's table from the records
   python dev/flags.py /tmp/a /tmp/b         # the table from several runs' records, printed
+  FLAGS_RECORD=/tmp/new pytest tests/test_new.py; python dev/flags.py /tmp/new --added --write
+                                            # a new test file's records added to the tables
 """
 
 import argparse
@@ -218,14 +220,16 @@ def covering(records, checked=False) -> dict:
     return found
 
 
-def table(records, plain: set) -> str:
-    """The markdown table: each flag, whose it is, how many tests set it, a few of them."""
+def table(records, plain: set, counted=None) -> str:
+    """The markdown table: each flag, whose it is, how many tests set it, a few of them; added
+    to `counted` (read_table()'s rows), if given, the records being of tests it has not counted."""
     found, lines = setting(records), []
     for name, script in sorted(rows()):
         tests = sorted(found.get((name, script), ()), key=lambda t: (t not in plain, t))
-        examples = ", ".join(f"`{t}`" for t in tests[:EXAMPLES]) or "**none**"
+        before, kept = (counted or {}).get((name, script), (0, []))
+        examples = ", ".join(f"`{t}`" for t in (kept + tests)[:EXAMPLES]) or "**none**"
         whose = SHARED if script == SHARED else f"`{script}.py`"
-        lines.append(f"| `{flag(name)}` | {whose} | {len(tests)} | {examples} |")
+        lines.append(f"| `{flag(name)}` | {whose} | {before + len(tests)} | {examples} |")
     head = "| flag | of | tests that set it in a compared run | e.g. |\n|---|---|---|---|\n"
     return head + "\n".join(lines)
 
@@ -242,13 +246,18 @@ def read_table(text=None) -> dict:
     return rows
 
 
-def pair_table(records, plain: set) -> str:
+def pair_table(records, plain: set, counted=None) -> str:
     """The markdown table of pairs: the functions that read both, how many tests set them
-    together (or refuse them together), one of those tests."""
+    together (or refuse them together), one of those tests; added to `counted` as table()'s."""
     pairs, rows = required_pairs(), []
     for (a, b, whose), (tests, refused) in sorted(pair_tests(records).items()):
-        first = sorted(tests or refused, key=lambda t: (t not in plain, t))[:1]
-        count = len(tests) if tests or not refused else "refused together"
+        before, kept = (counted or {}).get((a, b, whose), (0, []))
+        refused |= set(kept) if before == "refused together" else set()
+        before = before if isinstance(before, int) else 0
+        order = lambda t: (t not in plain, t)  # noqa: E731
+        first = (kept if before else []) + sorted(tests or refused, key=order)
+        count = before + len(tests) if before or tests or not refused else "refused together"
+        first = first[:1]
         example = f"`{first[0]}`" if first else "**none**"
         reader = ", ".join(pairs[a, b, whose])
         rows.append(f"| `{flag(a)}` `{flag(b)}` | {reader} | {count} | {example} |")
@@ -308,14 +317,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folders", nargs="+", help="the records: $FLAGS_RECORD of the runs")
     parser.add_argument("--write", action="store_true", help="rewrite the tables")
+    new = "the records are of tests the tables have not counted: add them to their counts"
+    parser.add_argument("--added", action="store_true", help=new)
     args = parser.parse_args()
     records = recorded(*args.folders)
     plain = plain_tests()
-    text, pairs = table(records, plain), pair_table(records, plain)
+    counted = (read_table(), read_pairs()) if args.added else (None, None)
+    text, pairs = table(records, plain, counted[0]), pair_table(records, plain, counted[1])
     print(text)
     missing = text.count("**none**")
     print(f"{len(rows())} flags, {len({r['test'] for r in records})} tests, {missing} unset")
-    left = open_pairs(records)
+    left = {k: f for k, f in open_pairs(records).items() if k not in (counted[1] or {})}
     for (a, b, whose), functions in sorted(left.items()):
         print(f"never together: {flag(a)} {flag(b)} ({whose}: {', '.join(functions)})")
     print(f"{len(required_pairs())} pairs of flags one function reads, {len(left)} never together")

@@ -97,3 +97,28 @@ def test_a_refusal_covers_the_pairs_its_checks_read_and_no_others():
     assert not found["attention", "d_model", shared][1]  # the refusal names neither
     alone = flags.pair_tests([{**refused, "refused": "steps"}])  # no example: not shown
     assert alone["d_model", "tie_embeddings", shared] == (set(), set())
+
+
+def test_new_tests_records_add_to_the_tables_counts():
+    """dev/flags.py --added: the records of tests the tables have not counted add to each row's
+    count (a flag's, a pair's), a row the tables lack holds theirs alone, and a pair refused
+    together stays so until a run sets it."""
+    new = [
+        {"test": "new", "script": "fsdp", "flags": ["clip_norm", "keep_gathered", "microbatches"]}
+    ]
+    counted = {("clip_norm", flags.SHARED): (7, ["a", "b"])}
+    rows = flags.read_table(
+        flags.table(new, set(), counted).join(["<!-- flags:start -->\n", "\n<!-- flags:end -->"])
+    )
+    assert rows["clip_norm", flags.SHARED] == (8, ["a", "b"])
+    assert rows["microbatches", flags.SHARED] == (1, ["new"])  # not counted before: theirs
+    assert rows["lr", flags.SHARED] == (0, [])
+    pairs = {("clip_norm", "microbatches", "fsdp"): (2, ["c"])}
+    pairs["keep_gathered", "remat", "fsdp"] = ("refused together", ["d"])
+    text = flags.pair_table(new, set(), pairs).join(
+        ["<!-- pairs:start -->\n", "\n<!-- pairs:end -->"]
+    )
+    read = flags.read_pairs(text)
+    assert read["clip_norm", "microbatches", "fsdp"] == (3, ["c"])
+    assert read["clip_norm", "keep_gathered", "fsdp"] == (1, ["new"])
+    assert read["keep_gathered", "remat", "fsdp"] == ("refused together", ["d"])
