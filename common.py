@@ -168,9 +168,9 @@ def _embed(c, count, names, rngs):
 
 
 def _layer_norm(c, rngs):
-    ones, zeros = nnx.initializers.ones_init(), nnx.initializers.zeros_init()
-    ones, zeros = (nnx.with_partitioning(init, ("norm",)) for init in (ones, zeros))
-    return nnx.LayerNorm(c.d_model, dtype=c.dtype, scale_init=ones, bias_init=zeros, rngs=rngs)
+    named = dict(scale_init=nnx.initializers.ones, bias_init=nnx.initializers.zeros)
+    named = {k: nnx.with_partitioning(init, ("norm",)) for k, init in named.items()}
+    return nnx.LayerNorm(c.d_model, epsilon=1e-5, dtype=c.dtype, rngs=rngs, **named)  # GPT-2's
 
 
 def _whole_sequence(x):
@@ -209,10 +209,13 @@ class Attention(nnx.Module):
         self.heads, self.kv_heads = c.heads, c.kv_heads or c.heads
         # One matmul makes every query, key and value, group by group: a key-value head and the
         # query heads that share it ([kv heads, heads / kv heads + 2, head_dim]). Split into equal
-        # parts (tensor parallelism), each device gets whole groups. No bias: a key bias adds the
-        # same q.b to a query's scores, which softmax ignores (its gradient is zero).
+        # parts (tensor parallelism), each device gets whole groups. GPT-2's bias, for queries only:
+        # a key bias adds the same q.b to a query's scores, which softmax ignores, and a value bias
+        # passes through attention's weights (their sum is 1) into the out layer's bias.
         width = (c.heads + 2 * self.kv_heads) * (c.d_model // c.heads)
         self.qkv = _linear(c, c.d_model, width, ("embed", "heads"), rngs, use_bias=False)
+        zeros = nnx.with_partitioning(nnx.initializers.zeros, ("heads",))
+        self.query_bias = nnx.Param(zeros(rngs.params(), (c.d_model,)))
         self.out = _linear(c, c.d_model, c.d_model, ("heads", "embed"), rngs, _residual_scale(c))
         self.dropout = nnx.Dropout(c.dropout, rngs=rngs)
 
@@ -220,6 +223,7 @@ class Attention(nnx.Module):
         group = self.heads // self.kv_heads
         qkv = self.qkv(x).reshape(*x.shape[:-1], self.kv_heads, group + 2, -1)
         q, k, v = jnp.split(qkv, [group, group + 1], axis=-2)
+        q = q + self.query_bias[...].reshape(q.shape[-3:]).astype(q.dtype)
         q, k, v = q.reshape(*x.shape[:-1], self.heads, -1), k.squeeze(-2), v.squeeze(-2)
         heads = ("batch", "length", "act_heads", None)
         q, k, v = (constrain(t, heads) for t in (q, k, v))
@@ -1599,9 +1603,7 @@ class Config(TrainingConfig):
     eval_batches: int = arg(8, "held-out batches per evaluation, the same ones each time", min=1)
     checkpoint_dir: str | None = arg(None, "save checkpoints here; resume from the newest found")
     init_from: str | None = arg(
-        None,
-        "with no checkpoint to resume, start from the parameters of any script's checkpoint "
-        "folder or a .safetensors file (tools/export.py)",
+        None, "with no checkpoint to resume, start from a checkpoint's or .safetensors' weights"
     )
     checkpoint_every: int = arg(100, "steps between checkpoints; the last step saves too", min=1)
     keep: int = arg(3, "how many of the newest checkpoints to keep", min=1)
@@ -1862,12 +1864,10 @@ class Checkpoints:
             problem = None if finite(saved) else "it holds non-finite values"
         except Exception as error:  # Orbax's errors have no common type
             problem = one_line(error)
-        where = (
-            f"--checkpoint-dir {folder}: step {latest.step}" if latest else f"--init-from {init}"
-        )
+        at = f"--checkpoint-dir {folder}: step {latest.step}" if latest else f"--init-from {init}"
         if problem:
             aside = "; move it out of the folder to resume from the one before" if latest else ""
-            exit_bad_input(f"{where} is unreadable ({problem}){aside}")
+            exit_bad_input(f"{at} is unreadable ({problem}){aside}")
         ignored = f", not --init-from {init}" if latest and init else ""
         resumed = latest and f"resumed from the checkpoint of step {latest.step} in {folder}"
         log_print((resumed or f"started from the parameters in {init}") + ignored)

@@ -97,6 +97,7 @@ def make_mesh(config):
 # pattern matches stops the run before anything is compiled (exit 2, naming it): P() replicates.
 PARAM_SPECS = (
     (r"attn/qkv/kernel", P(None, "model")),  # [embed, heads x (query, key, value) x head_dim]
+    (r"attn/query_bias", P("model")),
     (r"attn/out/kernel", P("model", None)),  # [heads x head_dim, embed]
     # [embed, mlp]; [experts, embed, mlp] with --experts; the shared experts' (mlp/shared) too
     (r"mlp/(shared/)?fc1/kernel", P(None, "model")),

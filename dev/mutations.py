@@ -519,9 +519,9 @@ BUGS = [
     # The lesson against a plain implementation of it
     Bug(
         "common.py",
-        "scale_init=ones, bias_init=zeros, rngs=rngs)",
-        "scale_init=ones, bias_init=zeros, rngs=rngs, epsilon=1e-5)",
-        "the norms' epsilon is PyTorch's 1e-5, not the model's 1e-6 (Flax's)",
+        "c.d_model, epsilon=1e-5,",
+        "c.d_model, epsilon=1e-6,",
+        "the norms' epsilon is Flax's 1e-6, not GPT-2's 1e-5",
         ("tests/test_oracle.py",),
     ),
     Bug(

@@ -197,8 +197,9 @@ REFUSED += [dict(heads=3, d_model=96), dict(experts=6), dict(layers=3), dict(seq
 REFUSED += [dict(mesh=m) for m in ("data=4,model=2", "data=2,stage=4", "replica=2,data=4")]
 REFUSED += [dict(mesh="data=2,context=4"), dict(mesh="data=2,expert=4")]
 HOSTS = [(1, 1), (2, 2), (4, 4), (8, 8), (8, 4), (12, 4), (16, 8)]
-# -m full: the two whose checks trace the model (about 20 s each); every pytest the other seven
-TRACING = ("pjit_tp", "context_parallel")
+# -m full: the two whose checks trace the model (about 20 s each), and logical_pjit.py (34 s),
+# whose rules and their refusals explicit_sharding.py shares; every pytest the other six
+TRACING = ("pjit_tp", "context_parallel", "logical_pjit")
 
 
 def example(message: str) -> dict:

@@ -25,7 +25,7 @@ from test_equivalence import reference
 FLAGS = dict(steps=5, warmup_steps=2, lr=2e-3, weight_decay=0.2, clip_norm=1.05, seed=3)
 FLAGS["attention"] = "xla"  # XLA's softmax attention, which 'auto' picks on a CPU
 B1, B2, EPS = 0.9, 0.95, 1e-8  # Adam's, as GPT-3 was trained (Brown et al. 2020, appendix B)
-LN_EPS = 1e-6  # LayerNorm's epsilon (Flax's default)
+LN_EPS = 1e-5  # LayerNorm's epsilon (GPT-2's)
 
 
 def layer_norm(x, p):
@@ -36,9 +36,10 @@ def layer_norm(x, p):
 
 def attention(x, p, heads):
     """Causal self-attention; the qkv kernel holds each head's query, key and value side by side
-    ([heads, 3, head_dim] along its outputs)."""
+    ([heads, 3, head_dim] along its outputs); the queries' bias is [heads * head_dim]."""
     batch, length, width = x.shape
     q, k, v = jnp.moveaxis((x @ p["qkv"]["kernel"]).reshape(batch, length, heads, 3, -1), 3, 0)
+    q = q + p["query_bias"].reshape(heads, -1)
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(width // heads)
     scores = jnp.where(jnp.tril(jnp.ones((length, length), bool)), scores, -jnp.inf)
     out = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(scores, -1), v)
