@@ -1939,11 +1939,9 @@ def check_checkpoint(config: Config):
     flags = recorded_flags(folder if ours else init)
     for name in SHAPE_FLAGS:
         here, there = getattr(config, name), flags.get(name, getattr(config, name))
-        require(
-            here == there,
-            name,
-            f"{here} differs from {there} in {where}, e.g. {flag(name)} {there}",
-        )
+        eg = flag(name) if isinstance(there, bool) else f"{flag(name)} {there}"
+        eg = eg.replace("--", "--no-") if there is False else eg  # a switch's
+        require(here == there, name, f"{here} differs from {there} in {where}, e.g. {eg}")
     now = {name: getattr(config, name) for name in TRAJECTORY_FLAGS}
     changed = [f"{flag(n)} {flags[n]} -> {v}" for n, v in now.items() if flags.get(n, v) != v]
     if ours and changed:

@@ -442,11 +442,11 @@ def test_splash_attention_matches(name):
 # (test_the_tpus_ragged_all_to_all_matches). The layers scanned: each kernel interpreted once in
 # the program, not once a layer (its compile 31 -> 20 s), each layer's inputs laid out alike.
 ON_TPU = {**SPLASH, **MOE, "steps": 3, "eval_every": 0, "scan_layers": True}  # one compile
+LAYOUTS = ["pjit_tp", "logical_fsdp_tp", "explicit_fsdp_tp", "context_ulysses"]  # -m full: the
+# logical one, explicit_fsdp_tp's layout by the same rules
 
 
-@pytest.mark.parametrize(
-    "name", ["pjit_tp", "logical_fsdp_tp", "explicit_fsdp_tp", "context_ulysses"]
-)
+@pytest.mark.parametrize("name", matrix(LAYOUTS, [s for s in LAYOUTS if s != "logical_fsdp_tp"]))
 def test_the_tpus_kernels_match_in_each_layout(name, monkeypatch):
     """Splash attention and megablox's grouped matmul, each device given its pieces as the
     script lays them out, against one device with XLA's attention and ragged_dot."""
@@ -848,7 +848,7 @@ def bfloat16_matches(name, result, flags):
 
 # Megatron's kernels: the weights with an axis of heads, MLP units or the vocabulary
 KERNELS = re.compile(
-    r"attn/(qkv|out)/kernel|mlp/fc1/(kernel|bias)|mlp/fc2/kernel|token/embedding|"
+    r"attn/(qkv|out)/kernel|attn/query_bias|mlp/fc1/(kernel|bias)|mlp/fc2/kernel|token/embedding|"
     r"head/out/kernel"
 )
 EXPERTS = re.compile(r"mlp/fc[12]/")  # a mixture's routed experts (not mlp/shared/)
@@ -1085,7 +1085,7 @@ def test_parameters_below_min_shard_size_stay_whole_and_match(name):
     whole = [jax.tree_util.keystr(p) for p, box in boxes if not fsdp.is_sharded(box)]
     sizes = [(box.get_value() if fsdp.is_sharded(box) else box).size for _, box in boxes]
     assert all(fsdp.is_sharded(b) == (n >= 100) for (_, b), n in zip(boxes, sizes, strict=True))
-    assert len(whole) == 6 * SMALL["layers"] + 2, whole  # per block 2 norms and 2 biases; ln_f
+    assert len(whole) == 7 * SMALL["layers"] + 2, whole  # per block 2 norms and 3 biases; ln_f
     compare(name, result, reference(), flags)
 
 

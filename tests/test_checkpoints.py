@@ -420,10 +420,21 @@ def test_a_folder_of_other_folders_is_not_a_checkpoint_folder(tmp_path):
 
 
 ANOTHER_MODEL = [
-    (["--heads", "2"], "--heads 2 differs from 4 in the checkpoint of step 3"),
+    (
+        ["--heads", "2"],
+        "--heads 2 differs from 4 in the checkpoint of step 3 in ckpt, e.g. --heads 4",
+    ),
     (["--d-model", "64"], "--d-model 64 differs from 32 in the checkpoint of step 3"),
-    (["--scan-layers"], "--scan-layers True differs from False in the checkpoint of step 3"),
-    (["--tie-embeddings"], "--tie-embeddings True differs from False in the checkpoint of step 3"),
+    (
+        ["--scan-layers"],
+        "--scan-layers True differs from False in the checkpoint of step 3 in ckpt, e.g. "
+        "--no-scan-layers",
+    ),
+    (
+        ["--tie-embeddings"],
+        "--tie-embeddings True differs from False in the checkpoint of step 3 in ckpt, e.g. "
+        "--no-tie-embeddings",
+    ),
 ]
 
 

@@ -37,7 +37,9 @@ DECAYED["moe"] = DECAYED["gpt"] | {
 }
 NORMS = {f"{p}/{w}" for p in ("block_0/ln1", "block_0/ln2", "head/ln_f") for w in ("scale", "bias")}
 KEPT = {
-    "gpt": NORMS | {f"block_0/{p}/bias" for p in ("attn/out", "mlp/fc1", "mlp/fc2")},
+    "gpt": NORMS
+    | {f"block_0/{p}/bias" for p in ("attn/out", "mlp/fc1", "mlp/fc2")}
+    | {"block_0/attn/query_bias"},
     "llama": {"block_0/attn_norm/scale", "block_0/mlp_norm/scale", "head/head/norm/scale"},
 }
 KEPT["moe"] = KEPT["gpt"] | {
@@ -79,7 +81,7 @@ def test_adamw_decays_the_kernels_and_embeddings_only(model):
 # layers); biases 0, norms' scales 1; each drawn on its own. First match wins.
 START = (
     (r"/(ln1|ln2|ln_f)/scale$", "ones"),
-    (r"/bias$|/router_bias$", "zeros"),
+    (r"/bias$|/router_bias$|/query_bias$", "zeros"),
     (r"/(attn/out|fc2)/kernel$", "residual"),
     (r"/(kernel|embedding)$", "normal"),
 )
