@@ -7,7 +7,7 @@ bfloat16, of their update). Then prints the table, and with --write puts it into
 docs/checks.md. tests/test_docs.py checks the page against the code: a row for every strategy
 and model the tests train, and every figure within the bound the tests hold it to.
 
-  python dev/parity.py            # print the table; about 15 minutes on 2 cores
+  python dev/parity.py            # print the table; about 10 minutes on 2 cores
   python dev/parity.py --write    # and rewrite the table in docs/checks.md
   python dev/parity.py --only pjit_tp_sp --write   # re-measure its rows, keep the others
 """
