@@ -42,6 +42,12 @@ def export(folder: str, out: str) -> dict:
 
 
 PAD_LOGIT = -1e4  # a padded vocabulary row's logit, for every input: it cannot win
+SAME = {  # a block's tensors that GPT-2 holds as the model does: its name for each
+    "ln1/scale": "ln_1.weight", "ln1/bias": "ln_1.bias",
+    "ln2/scale": "ln_2.weight", "ln2/bias": "ln_2.bias",
+    "mlp/fc1/kernel": "mlp.c_fc.weight", "mlp/fc1/bias": "mlp.c_fc.bias",
+    "mlp/fc2/kernel": "mlp.c_proj.weight", "mlp/fc2/bias": "mlp.c_proj.bias",
+}  # fmt: skip
 
 
 def from_gpt2(hf: dict, heads: int, vocab_size: int, seq_len: int) -> dict:
@@ -72,12 +78,7 @@ def from_gpt2(hf: dict, heads: int, vocab_size: int, seq_len: int) -> dict:
             f"{block}/attn/out/kernel": h["attn.c_proj.weight"],
             f"{block}/attn/out/bias": h["attn.c_proj.bias"] + v_bias @ h["attn.c_proj.weight"],
         }
-        for mine, theirs in [("ln1", "ln_1"), ("ln2", "ln_2")]:
-            ours |= {f"{block}/{mine}/scale": h[f"{theirs}.weight"]}
-            ours |= {f"{block}/{mine}/bias": h[f"{theirs}.bias"]}
-        for mine, theirs in [("fc1", "c_fc"), ("fc2", "c_proj")]:
-            ours |= {f"{block}/mlp/{mine}/kernel": h[f"mlp.{theirs}.weight"]}
-            ours |= {f"{block}/mlp/{mine}/bias": h[f"mlp.{theirs}.bias"]}
+        ours |= {f"{block}/{mine}": h[theirs] for mine, theirs in SAME.items()}
     return {k: v.astype(np.float32) for k, v in ours.items()}
 
 
@@ -101,12 +102,7 @@ def to_gpt2(ours: dict, heads: int) -> dict:
         hf |= {h + "attn.c_attn.weight": qkv.reshape(d, 3 * d), h + "attn.c_attn.bias": bias}
         hf |= {h + "attn.c_proj.weight": block["attn/out/kernel"]}
         hf |= {h + "attn.c_proj.bias": block["attn/out/bias"]}
-        for mine, theirs in [("ln1", "ln_1"), ("ln2", "ln_2")]:
-            hf |= {h + f"{theirs}.weight": block[f"{mine}/scale"]}
-            hf |= {h + f"{theirs}.bias": block[f"{mine}/bias"]}
-        for mine, theirs in [("fc1", "c_fc"), ("fc2", "c_proj")]:
-            hf |= {h + f"mlp.{theirs}.weight": block[f"mlp/{mine}/kernel"]}
-            hf |= {h + f"mlp.{theirs}.bias": block[f"mlp/{mine}/bias"]}
+        hf |= {h + theirs: block[mine] for mine, theirs in SAME.items()}
     return {k: np.ascontiguousarray(v) for k, v in hf.items()}
 
 
