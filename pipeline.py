@@ -1,5 +1,5 @@
-"""Pipeline parallelism in jax.shard_map: GPipe, 1F1B, zero-bubble and interleaved, the schedule as
-data.
+"""Pipeline parallelism in jax.shard_map: GPipe, 1F1B, zero-bubble, interleaved and ZB-V, the
+schedule as data.
 
 What is where: the global batch is split by rows over the mesh axis 'data' (P('data')). The
 blocks, stacked along a layer axis as --scan-layers stacks them, are split over 'stage'
@@ -13,8 +13,9 @@ forward, then every backward; 1F1B starts backwards once the pipeline is full, k
 `stages` micro-batches in flight; zero-bubble (ZB-H1) splits each backward into the input's
 gradient, which the previous stage waits for, and the weights', which fills the ticks 1F1B leaves
 idle; interleaved (Megatron's) runs 1F1B over the smaller groups, each micro-batch going round
-the ring of stages --virtual-stages times, so filling and draining take ticks of a group. After
-each tick every stage passes its output forward and its input's gradient back (ppermute). A
+the ring of stages --virtual-stages times, so filling and draining take ticks of a group; zbv
+(ZB-V) gives stage s groups s and 2 stages - 1 - s, a micro-batch going up the stages and back
+down, B and W split. After each tick every stage passes what it made to both neighbours. A
 stage keeps only a micro-batch's input for its backward, jax.vjp of the stage on it (recomputed,
 as --remat does); zero-bubble's B keeps each dense layer's input and output gradient for its W.
 Collectives per step: two collective-permutes a tick between neighbouring stages; an all-gather
@@ -30,6 +31,7 @@ Run:
   python pipeline.py --schedule gpipe --show-schedule   # print the ticks, train nothing
   python pipeline.py --schedule zero-bubble   # a third of 1F1B's bubble
   python pipeline.py --schedule interleaved --layers 8   # 2 groups of layers per stage
+  python pipeline.py --schedule zbv --layers 8   # the V: 6% of the ticks idle at M = 8
   python pipeline.py --distributed       # every host of a TPU pod slice (README)
 
 Read before: shardmap_dp.py. Read next: context_parallel.py, which splits the sequence instead.
@@ -52,7 +54,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
-SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "zero-bubble", "interleaved", "zbv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,15 +66,15 @@ class Config(common.Config):
     show_schedule: bool = common.arg(False, "print the schedule's ticks and exit, training nothing")
 
     def virtual(self):
-        """Groups of layers per stage: --virtual-stages when interleaved, else one."""
-        return self.virtual_stages if self.schedule == "interleaved" else 1
+        """Groups of layers per stage: --virtual-stages when interleaved, two for zbv, else one."""
+        return {"interleaved": self.virtual_stages, "zbv": 2}.get(self.schedule, 1)
 
     def takes(self, microbatches, stages):
-        """Whether the schedule runs this many micro-batches: gpipe any, the others at least one
-        a stage, interleaved a multiple of the stages."""
+        """Whether the schedule runs this many micro-batches: gpipe and zbv any, the others at
+        least one a stage, interleaved a multiple of the stages."""
         if self.schedule == "interleaved":
             return microbatches % stages == 0
-        return self.schedule == "gpipe" or microbatches >= stages
+        return self.schedule in ("gpipe", "zbv") or microbatches >= stages
 
     def mesh_axes(self):
         # 'auto' even for flags that validate() refuses next (--virtual-stages 0, --layers 3)
@@ -144,10 +146,16 @@ BATCH_SPEC = P("data")  # rows split over 'data'
 # stage's input, which the previous stage waits for) and WEIGHT_GRAD (its parameters').
 OPS = IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
 # The table's columns: what a stage runs, on which micro-batch and group; the slots it reads its
-# input and output gradient from, those arriving at the tick's end go into, and INPUT_GRAD's kept.
-OP, MICROBATCH, VIRTUAL, INPUT_SLOT, GRADIENT_SLOT, INPUT_ARRIVES, GRADIENT_ARRIVES, KEPT = range(8)
-# What passes between stages: (the column it is read from, the column it arrives in)
-COLUMNS = {"input": (INPUT_SLOT, INPUT_ARRIVES), "gradient": (GRADIENT_SLOT, GRADIENT_ARRIVES)}
+# input and output gradient from; the slots what arrives at the tick's end goes into, from the
+# stage below (s - 1), from the one above (s + 1) and from itself (zbv's turn); INPUT_GRAD's kept.
+OP, MICROBATCH, VIRTUAL, INPUT_SLOT, GRADIENT_SLOT = range(5)
+FROM_BELOW, FROM_ABOVE, FROM_SELF, KEPT = range(5, 9)
+
+
+def chunk_of(kind, stages, s, v):
+    """Which group of the model's layers stage s's v-th is: v * stages + s, but zbv's V: stage s
+    holds groups s and 2 stages - 1 - s, so the first and the last sit on stage 0."""
+    return s + v * (2 * stages - 1 - 2 * s) if kind == "zbv" else v * stages + s
 
 
 def stage_order(kind, stages, microbatches, s, virtual=1):
@@ -158,6 +166,8 @@ def stage_order(kind, stages, microbatches, s, virtual=1):
     groups taking `stages` micro-batches in turn, backwards from the last."""
     if kind == "gpipe":
         return [(op, 0, m) for op in (FORWARD, BACKWARD) for m in range(microbatches)]
+    if kind == "zbv":
+        return zbv_order(stages, microbatches, s)
     total, back = virtual * microbatches, INPUT_GRAD if kind == "zero-bubble" else BACKWARD
     warmup = min(total, (virtual - 1) * stages + (stages - s - 1) * (1 + (virtual > 1)))
 
@@ -171,65 +181,99 @@ def stage_order(kind, stages, microbatches, s, virtual=1):
     return order
 
 
+def zbv_order(stages, microbatches, s):
+    """ZB-V on stage s (Qi et al. 2023, section 6, in the order PyTorch's ScheduleZBVZeroBubble
+    gives): 2 (S - s) - 1 forwards of group 0, s of each group in turn, S - s of group 1's F, B
+    and W; then each group's F, B and W in turn; then the Bs and Ws left. Group 0 is chunk s,
+    group 1 chunk 2 S - 1 - s. At least 2 S - 1 micro-batches are planned, those beyond left out."""
+    done, n, (f, b, w) = {}, max(2 * stages - 1, microbatches), (FORWARD, INPUT_GRAD, WEIGHT_GRAD)
+
+    def ops(*pairs, times=1):  # each (op, v) in turn, `times` times, on its next micro-batch
+        for _ in range(times):
+            for op, v in pairs:
+                done[op, v] = done.get((op, v), 0) + 1
+                order.append((op, v, done[op, v] - 1))
+
+    order = []
+    ops((f, 0), times=2 * (stages - s) - 1)
+    ops((f, 1), (f, 0), times=s)
+    ops((f, 1), (b, 1), (w, 1), times=stages - s)
+    while done[f, 1] < done[f, 0] or done[f, 0] < n:
+        ops(*[(f, 0)] * (done[f, 0] < n), (b, 0), (w, 0), (f, 1), (b, 1), (w, 1))
+    ops((b, 0), (b, 1), times=s)
+    ops((b, 0), (w, 0), times=stages - s)
+    ops((w, 1), times=done[b, 1] - done[w, 1])
+    ops((w, 0), times=done[b, 0] - done[w, 0])
+    return [(op, v, m) for op, v, m in order if m < microbatches]
+
+
 def make_schedule(kind, stages, microbatches, virtual=1):
     """The schedule as data, table[tick, stage] = the columns above (-1: none; the first group
     reads the tokens, the last's gradient is the loss's). Each stage runs stage_order's operations
     in turn, each at the first tick its input is there (the previous group's forward of m, or the
     next group's backward; the last group's: its own forward). Zero-bubble (ZB-H1, Qi et al.
     2023): a stage that would idle runs the oldest WEIGHT_GRAD it owes, holding at most `stages`
-    micro-batches between a forward and its WEIGHT_GRAD (1F1B's most)."""
+    micro-batches between a forward and its WEIGHT_GRAD (1F1B's most); zbv's order names its Ws."""
     chunks = stages * virtual
     orders = [stage_order(kind, stages, microbatches, s, virtual) for s in range(stages)]
-    ran = {}  # (FORWARD or BACKWARD, chunk, m) -> the tick it ran at (INPUT_GRAD as BACKWARD)
+    ran = {}  # (op, chunk, m) -> the tick it ran at (INPUT_GRAD as BACKWARD)
     owed, held, rows = [[] for _ in range(stages)], [0] * stages, []
     most = stages if kind == "zero-bubble" else chunks * microbatches  # held, at most
     while any(orders) or any(owed):
         t, row = len(rows), []
         for s in range(stages):
             op, v, m = orders[s][0] if orders[s] else (IDLE, 0, -1)
-            c = v * stages + s
-            after = (FORWARD, c - 1) if op == FORWARD else (FORWARD, c) if c == chunks - 1 else None
-            after = after or (BACKWARD, c + 1)  # what it waits for
+            c = chunk_of(kind, stages, s, v)
+            after = {FORWARD: (FORWARD, c - 1), WEIGHT_GRAD: (BACKWARD, c)}.get(op)
+            after = after or ((FORWARD, c) if c == chunks - 1 else (BACKWARD, c + 1))  # waits for
             ready = op != IDLE and (op != FORWARD or held[s] < most)
-            if not (ready and (after[1] < 0 or ran.get((*after, m), t) < t)):
-                op, v, m = (WEIGHT_GRAD, *owed[s][0]) if owed[s] else (IDLE, 0, -1)  # or idles
-            if op in (FORWARD, BACKWARD, INPUT_GRAD):  # an operation of its order: on to the next
-                ran[min(op, BACKWARD), v * stages + s, m] = t
-                orders[s].pop(0)
+            if ready and (after[1] < 0 or ran.get((*after, m), t) < t):
+                ran[BACKWARD if op == INPUT_GRAD else op, c, m] = t
+                orders[s].pop(0)  # an operation of its order: on to the next
+            elif owed[s] and kind == "zero-bubble":  # or the oldest WEIGHT_GRAD owed
+                op, v, m = WEIGHT_GRAD, *owed[s][0]
+            else:
+                op, v, m = IDLE, 0, -1
             held[s] += (op == FORWARD) - (op in (BACKWARD, WEIGHT_GRAD))
-            owed[s] = owed[s][op == WEIGHT_GRAD :] + [(v, m)] * (op == INPUT_GRAD)
+            owed[s] = [vm for vm in owed[s] if (op, *vm) != (WEIGHT_GRAD, v, m)]
+            owed[s] += [(v, m)] * (op == INPUT_GRAD)
             row.append((op, v, m))
         rows.append(row)
-    return place_in_slots(rows, stages, virtual)
+    return place_in_slots(rows, kind, stages, virtual)
 
 
-def place_in_slots(rows, stages, virtual):
-    """The table from each tick's (op, v, m) per stage: each activation and gradient that arrives,
-    and what an INPUT_GRAD keeps, in the lowest slot free until its last use."""
-    chunks, table, slots = stages * virtual, np.full((len(rows), stages, 8), -1, np.int32), {}
+def place_in_slots(rows, kind, stages, virtual):
+    """The table from each tick's (op, v, m) per stage: each activation and gradient that arrives
+    in the lowest slot free until its last use (inputs and gradients share the slots), and what
+    an INPUT_GRAD keeps for its WEIGHT_GRAD in the lowest kept slot free."""
+    chunks, table, slots = stages * virtual, np.full((len(rows), stages, 9), -1, np.int32), {}
+    where = {chunk_of(kind, stages, s, v): (s, v) for s in range(stages) for v in range(virtual)}
 
-    def take(what, s, v, m):  # the lowest of stage s's slots for `what` free now
-        taken = {slot for (w, stage, *_), slot in slots.items() if (w, stage) == (what, s)}
-        slots[what, s, v, m] = min(set(range(len(taken) + 1)) - taken)
-        return slots[what, s, v, m]
+    def take(kept, s, *key):  # the lowest of stage s's slots (kept, or what arrives) free now
+        taken = {slot for (k, stage, *_), slot in slots.items() if (k, stage) == (kept, s)}
+        slots[kept, s, *key] = min(set(range(len(taken) + 1)) - taken)
+        return slots[kept, s, *key]
 
     for t, row in enumerate(rows):
-        arriving = []  # (what, stage, v, m), sent at this tick
+        arriving = []  # (what, from which stage, to which chunk, m), sent at this tick
         for s, (op, v, m) in enumerate(row):
-            c, last = v * stages + s, op in (BACKWARD, WEIGHT_GRAD)
+            c, last = chunk_of(kind, stages, s, v), op in (BACKWARD, INPUT_GRAD)
             table[t, s, [OP, MICROBATCH, VIRTUAL]] = op, m, v
-            for what, (read, _) in COLUMNS.items():
-                table[t, s, read] = (slots.pop if last else slots.get)((what, s, v, m), -1)
+            for what, read in (("input", INPUT_SLOT), ("gradient", GRADIENT_SLOT)):
+                table[t, s, read] = (slots.pop if last else slots.get)((False, s, what, v, m), -1)
             if op == INPUT_GRAD:  # what its WEIGHT_GRAD reads
-                table[t, s, KEPT] = take("kept", s, v, m)
+                table[t, s, KEPT] = take(True, s, v, m)
             if op == WEIGHT_GRAD:
-                table[t, s, KEPT] = slots.pop(("kept", s, v, m))
-            if op == FORWARD and c + 1 < chunks:  # to the next group, on the next stage
-                arriving.append(("input", (s + 1) % stages, (c + 1) // stages, m))
+                table[t, s, KEPT] = slots.pop((True, s, v, m))
+            if op == FORWARD and c + 1 < chunks:  # to the next group
+                arriving.append(("input", s, c + 1, m))
             if op in (BACKWARD, INPUT_GRAD) and c > 0:  # to the previous group
-                arriving.append(("gradient", (s - 1) % stages, (c - 1) // stages, m))
-        for what, s, v, m in arriving:
-            table[t, s, COLUMNS[what][1]] = take(what, s, v, m)
+                arriving.append(("gradient", s, c - 1, m))
+        for what, sender, c, m in arriving:
+            s, v = where[c]
+            below = s == (sender + 1) % stages if kind == "interleaved" else s == sender + 1
+            link = FROM_SELF if s == sender else FROM_BELOW if below else FROM_ABOVE
+            table[t, s, link] = take(False, s, what, v, m)
     return table
 
 
@@ -247,7 +291,7 @@ def show_schedule(kind, table):
     letter = {IDLE: ".", FORWARD: "F", BACKWARD: "B", INPUT_GRAD: "B", WEIGHT_GRAD: "W"}
 
     def cell(s, op, m, v):
-        chunk = f"{v * stages + s}" if virtual > 1 and op != IDLE else ""
+        chunk = f"{chunk_of(kind, stages, s, v)}" if virtual > 1 and op != IDLE else ""
         return chunk + letter[op] + (f"{m}" if op != IDLE else "")
 
     idle = (table[:, :, OP] == IDLE).mean()
@@ -262,25 +306,34 @@ def show_schedule(kind, table):
         print(f"stage {s}: " + " ".join(c.rjust(width) for c in row))
 
 
-def stack_blocks(tree, virtual=1):
-    """block_0 ... block_{L-1} of a dict as one tree 'blocks' [virtual, L / virtual, ...]: split
-    over 'stage' on the second axis, stage s holds groups s, s + stages, ..."""
+def layer_order(kind, layers, stages):
+    """The model's layers as the stacked blocks hold them: in order, but zbv's second group of
+    layers by stage in reverse, so that stage s holds chunks s and 2 stages - 1 - s."""
+    chunks = np.arange(layers).reshape(2 * stages if kind == "zbv" else 1, -1)
+    return np.concatenate([chunks[:stages], chunks[stages:][::-1]]).ravel().tolist()
+
+
+def stack_blocks(tree, virtual=1, order=None):
+    """block_0 ... block_{L-1} of a dict as one tree 'blocks' [virtual, L / virtual, ...], in
+    `order` (layer_order's): split over 'stage' on the second axis, stage s holds groups s,
+    s + stages, ... (zbv: s and 2 stages - 1 - s)"""
     if not isinstance(tree, dict) or "block_0" not in tree:
         return tree
     rest = {k: v for k, v in tree.items() if not k.startswith("block_")}
-    layers = [tree[f"block_{i}"] for i in range(len(tree) - len(rest))]
+    layers = [tree[f"block_{i}"] for i in order or range(len(tree) - len(rest))]
     stack = lambda *x: jnp.stack(x).reshape(virtual, -1, *x[0].shape)  # noqa: E731
     return {**rest, "blocks": jax.tree.map(stack, *layers)}
 
 
-def unstack_blocks(tree):
+def unstack_blocks(tree, order=None):
     """The inverse of stack_blocks."""
     if not isinstance(tree, dict) or "blocks" not in tree:
         return tree
     blocks = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), tree["blocks"])  # one layer axis
     rest = {k: v for k, v in tree.items() if k != "blocks"}
-    layers = range(jax.tree.leaves(blocks)[0].shape[0])
-    return {**rest, **{f"block_{i}": jax.tree.map(lambda x, i=i: x[i], blocks) for i in layers}}
+    order = order or range(jax.tree.leaves(blocks)[0].shape[0])
+    at = lambda j: jax.tree.map(lambda x: x[j], blocks)  # noqa: E731
+    return {**rest, **{f"block_{i}": at(j) for j, i in enumerate(order)}}
 
 
 def relaid(fn, state, **jit):
@@ -289,15 +342,15 @@ def relaid(fn, state, **jit):
     return jax.jit(lambda s: jax.tree.map(fn, s, is_leaf=params), **jit)(state)
 
 
-def to_saved(state):
+def to_saved(state, order=None):
     """The checkpoint layout: every block on its own, as a run without a pipeline names it."""
-    return relaid(unstack_blocks, state)
+    return relaid(functools.partial(unstack_blocks, order=order), state)
 
 
-def from_saved(saved, state):
+def from_saved(saved, state, order=None):
     """A restored state, its blocks stacked again and laid out like `state`."""
     virtual = jax.tree.leaves(state.params["blocks"])[0].shape[0]
-    stack = functools.partial(stack_blocks, virtual=virtual)
+    stack = functools.partial(stack_blocks, virtual=virtual, order=order)
     return relaid(stack, saved, out_shardings=jax.tree.map(lambda x: x.sharding, state))
 
 
@@ -342,7 +395,8 @@ def scatter_embed_and_head(grads, specs):
 
 def init_state(config, mesh, shapes_only=False):
     # Held as the pipeline holds them: the blocks stacked (common.create_state's `hold`)
-    stacked = functools.partial(stack_blocks, virtual=config.virtual())
+    order = layer_order(config.schedule, config.layers, mesh.shape["stage"])
+    stacked = functools.partial(stack_blocks, virtual=config.virtual(), order=order)
     create = functools.partial(common.create_state, config, common.make_model(config), stacked)
     # Each device computes only its own pieces: the full model never exists on one device.
     specs = state_specs(jax.eval_shape(create), mesh.shape["stage"])
@@ -361,7 +415,7 @@ def stage_forward(params, x, tokens, rng, config, v=0, deltas=None, head=True):
     stage, stages = lax.axis_index("stage"), lax.axis_size("stage")
     virtual = jax.tree.leaves(params["blocks"])[0].shape[0]
     # Which group of the model's layers: 0 first, virtual * stages - 1 last
-    chunk = v * stages + stage
+    chunk = chunk_of(config.schedule, stages, stage, v)
     model = common.make_model(config)  # its pieces: model.defs, model.tied
     rng = rng if config.dropout > 0 else None  # dropout given a key, none without
 
@@ -453,17 +507,15 @@ def pipeline_gradients(params, batch, rng, config, table):
     microbatches = config.microbatches
     # Micro-batch i takes rows i, i + m, i + 2m, ... (as common.accumulate_gradients does).
     pieces = batch.reshape(-1, microbatches, batch.shape[-1]).swapaxes(0, 1)
-    # How many activations, and gradients, a stage keeps at once, the most any stage does.
-    slots, grad_slots = (
-        max(1, table[:, :, column].max() + 1) for column in (INPUT_ARRIVES, GRADIENT_ARRIVES)
-    )
+    # How many activations and gradients a stage keeps at once, the most any stage does.
+    size = max(1, table[:, :, [FROM_BELOW, FROM_ABOVE, FROM_SELF]].max() + 1)
     # What passes between stages: the embedding's output, of the shape of every block's.
     defs = common.make_model(config).defs
     embed = lambda: common.run_piece(defs["embed"], params["embed"], pieces[0][:, :-1])  # noqa: E731
     activation = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(embed))
-    ring = jax.tree.leaves(params["blocks"])[0].shape[0] > 1  # interleaved: last to first too
-    to_next = [(s, (s + 1) % stages) for s in range(stages - 1 + ring)]
-    to_previous = [(b, a) for a, b in to_next]
+    ring = config.schedule == "interleaved"  # the last stage on to the first, and back
+    up = [(s, (s + 1) % stages) for s in range(stages - 1 + ring)]
+    down = [(b, a) for a, b in up]
     # The mean over this device's tokens
     loss_scale = 1.0 / (pieces.shape[0] * pieces.shape[1] * config.seq_len)
 
@@ -480,18 +532,18 @@ def pipeline_gradients(params, batch, rng, config, table):
     kept = [tuple(jnp.zeros((kept_count, layers, *a.shape), a.dtype) for a in c[1:]) for c in calls]
 
     def tick(carry, row):
-        inputs, output_grads, kept, grads, loss_sum, stats_sum = carry
-        op, m, v, input_slot, gradient_slot, input_arrives, gradient_arrives, kept_slot = row[stage]
+        slots, kept, grads, loss_sum, stats_sum = carry
+        op, m, v, input_slot, gradient_slot, below, above, itself, kept_slot = row[stage]
         kept_slot = jnp.maximum(kept_slot, 0)
         tokens, key = pieces[m], jax.random.fold_in(rng, m)
 
         # Read inside the branches (XLA would copy them out first). Slot -1: none; the first group
         # reads the tokens and the last's output gradient is zero (the loss's is the backward's).
         def x():
-            return inputs[jnp.maximum(input_slot, 0)]
+            return slots[jnp.maximum(input_slot, 0)]
 
         def gradient():
-            return jnp.where(gradient_slot >= 0, output_grads[jnp.maximum(gradient_slot, 0)], 0)
+            return jnp.where(gradient_slot >= 0, slots[jnp.maximum(gradient_slot, 0)], 0)
 
         def forward():  # the loss is the backward's: it runs the stage again, the head with it
             return stage_forward(params, x(), tokens, key, config, v, head=False)[0][0]
@@ -552,30 +604,25 @@ def pipeline_gradients(params, batch, rng, config, table):
             ],
             lambda: kept,
         )
-        # After each tick: activations to the next stage, their gradients to the previous one.
-        received = lax.ppermute(output, "stage", to_next)
-        received_gradient = lax.ppermute(grad_input, "stage", to_previous)
-        inputs = lax.cond(
-            input_arrives >= 0, lambda: inputs.at[input_arrives].set(received), lambda: inputs
-        )
-        output_grads = lax.cond(
-            gradient_arrives >= 0,
-            lambda: output_grads.at[gradient_arrives].set(received_gradient),
-            lambda: output_grads,
-        )
+        # After each tick, what it made to the stages on both sides: each keeps what its table
+        # says arrives (an activation on its way up the model, or a gradient on its way down).
+        sent = jnp.where(op == FORWARD, output, grad_input)
+        arrived = [lax.ppermute(sent, "stage", up), lax.ppermute(sent, "stage", down), sent]
+        keep = lambda slots, i, x: slots.at[i].set(x)  # noqa: E731
+        for slot, value in zip((below, above, itself), arrived, strict=True):
+            slots = lax.cond(slot >= 0, keep, lambda slots, *_: slots, slots, slot, value)
         grads = jax.tree.map(jnp.add, grads, grad_params)
         stats_sum = jax.tree.map(jnp.add, stats_sum, more)
-        return (inputs, output_grads, kept, grads, loss_sum + loss, stats_sum), None
+        return (slots, kept, grads, loss_sum + loss, stats_sum), None
 
     carry = (
-        jnp.zeros((slots, *activation.shape), activation.dtype),
-        jnp.zeros((grad_slots, *activation.shape), activation.dtype),
+        jnp.zeros((size, *activation.shape), activation.dtype),
         kept,
         jax.tree.map(jnp.zeros_like, params),
         jnp.zeros((), jnp.float32),
         stats,
     )
-    (_, _, _, grads, loss_sum, stats), _ = lax.scan(tick, carry, jnp.asarray(table))
+    (_, _, grads, loss_sum, stats), _ = lax.scan(tick, carry, jnp.asarray(table))
     tokens = jnp.int32(pieces.size - pieces.shape[0] * pieces.shape[1])
     return grads, {"loss_sum": loss_sum, "tokens": tokens, **stats}
 
@@ -606,9 +653,9 @@ def eval_step(state, batch, config, specs):
     running the whole model with the blocks of every stage gathered (no schedule, no backward)."""
     params = gather_embed_and_head(state.params, specs)
     params = {**params, "blocks": lax.all_gather(params["blocks"], "stage", axis=1, tiled=True)}
-    return lax.psum(
-        common.eval_metrics(state.replace(params=unstack_blocks(params)), batch), "data"
-    )
+    order = layer_order(config.schedule, config.layers, lax.axis_size("stage"))
+    params = unstack_blocks(params, order)
+    return lax.psum(common.eval_metrics(state.replace(params=params), batch), "data")
 
 
 def device_batch(batch, mesh):
@@ -657,7 +704,9 @@ def main(config):
     compiled, compile_seconds = common.compile_step(config, step_fn, state_shapes, batch_shapes)
     state = init_state(config, mesh)
     # Saved block by block, unstacked
-    checkpoints = common.Checkpoints(config, to_saved, from_saved)
+    order = layer_order(config.schedule, config.layers, mesh.shape["stage"])
+    saved = functools.partial(to_saved, order=order), functools.partial(from_saved, order=order)
+    checkpoints = common.Checkpoints(config, *saved)
     state, start = checkpoints.restore(state)
     eval_data = [device_batch(b, mesh) for b in common.eval_batches(dataset, config)]
     bubble = float((table[:, :, OP] == IDLE).mean())

@@ -190,7 +190,10 @@ def global_params(name, state):
     """The parameters as plain global numpy arrays, whatever the strategy's layout."""
     params = common.unbox(state.params)  # fsdp.py's nnx.Param boxes hold global arrays
     if name.startswith("pipeline"):  # its blocks stacked, each stage holding its own
-        params = pipeline.unstack_blocks(params)
+        kind, blocks = name.split()[0][9:], jax.tree.leaves(params["blocks"])[0]
+        stages = blocks.sharding.mesh.shape["stage"] if kind == "zbv" else 1  # zbv's V
+        order = pipeline.layer_order(kind, blocks.shape[0] * blocks.shape[1], stages)
+        params = pipeline.unstack_blocks(params, order)
     if name.split()[0] == "pmap_dp":  # one stacked copy per device: check they agree, keep one
         for leaf in jax.tree.leaves(params):
             copies = np.asarray(leaf)
@@ -664,7 +667,8 @@ PIPELINES = [
     ("interleaved", "data=2,stage=4", 8),
 ]
 PIPELINES += [("zero-bubble", "data=2,stage=4", 4), ("zero-bubble", "data=1,stage=8", 8)]
-PIPELINES += [("interleaved", "data=1,stage=8", 16)]
+PIPELINES += [("interleaved", "data=1,stage=8", 16), ("zbv", "data=2,stage=4", 8)]
+PIPELINES += [("zbv", "data=1,stage=8", 16)]
 
 
 @pytest.mark.parametrize(
@@ -1452,12 +1456,8 @@ def test_one_layout_written_by_hand_matches():
     assert {op for op, _ in found} == {"all-reduce"}, found
 
 
-SEVERAL = list(DEFAULTS.values()) + [
-    "pipeline_gpipe",
-    "pipeline_zero-bubble",
-    "pipeline_interleaved",
-    *LONG,
-]
+SEVERAL = list(DEFAULTS.values()) + [f"pipeline_{s}" for s in pipeline.SCHEDULES if s != "1f1b"]
+SEVERAL += LONG
 
 
 # Every pytest: shard_map's rows (pipeline.py's and a sequence's pieces the same); fsdp.py's

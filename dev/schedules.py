@@ -1,6 +1,6 @@
 """Regenerate the pipeline schedules in the documentation from pipeline.py.
 
-Two blocks, each between its markers: docs/strategies.md's picture of the four schedules
+Two blocks, each between its markers: docs/strategies.md's picture of the schedules
 (`<!-- schedule:start -->`: what `python pipeline.py --show-schedule` prints for each, 4 stages,
 8 micro-batches), and README.md's table of them side by side (`<!-- schedules:start -->`:
 ticks, bubble from the table and from its formula, and micro-batches in flight per stage, all
@@ -31,12 +31,14 @@ FORMULAS = {  # the bubble's share of the stages' ticks (tests/test_schedules.py
     "1f1b": ("(S − 1)/(M + S − 1)", MICROBATCHES),
     "zero-bubble": ("(S − 1)/(3M + S − 1)", 3 * MICROBATCHES),
     "interleaved": ("(S − 1)/(VM + S − 1)", VIRTUAL * MICROBATCHES),
+    "zbv": ("(S − 1)/(6M + S − 1)", 6 * MICROBATCHES),
 }
 TICK = {  # what one tick of a stage is
-    "gpipe": "a forward or a whole backward of the stage",
-    "1f1b": "a forward or a whole backward of the stage",
-    "zero-bubble": "a forward, an input's gradient (B) or the weights' (W)",
-    "interleaved": f"a forward or backward of 1/{VIRTUAL} of the stage's layers",
+    "gpipe": "F or a whole backward",
+    "1f1b": "F or a whole backward",
+    "zero-bubble": "F, B (the input's gradient) or W (the weights')",
+    "interleaved": f"F or backward of 1/{VIRTUAL} stage",
+    "zbv": "F, B or W of 1/2 stage",
 }
 
 
@@ -128,20 +130,19 @@ def picture():
 
 def table():
     rows = [
-        f"With S = {STAGES} stages, M = {MICROBATCHES} micro-batches and V = {VIRTUAL} groups of "
-        "layers per stage (interleaved). In flight: from a micro-batch's forward to the last "
-        "backward that reads its input (interleaved: each group's forward and backward). `python "
-        "pipeline.py --show-schedule --schedule KIND` prints each.",
+        f"S = {STAGES} stages, M = {MICROBATCHES} micro-batches, V = {VIRTUAL} groups of layers "
+        "per stage (interleaved, zbv); F a forward. In flight: from a forward to its last "
+        "backward (W where split), per group. `python pipeline.py --show-schedule --schedule "
+        "KIND` prints each.",
         "",
-        "| `--schedule` | ticks | bubble: idle share of the ticks | formula | a tick | "
-        "micro-batches in flight, stage 0 … 3 | step, in forwards of a stage (bubble), from "
-        "measured costs |",
+        "| `--schedule` | ticks | bubble: idle ticks | formula | a tick | in flight, stage 0 … 3 "
+        "| step in forwards (bubble), by measured costs |",
         "|---|---|---|---|---|---|---|",
     ]
     costs = op_costs()
     for kind in pipeline.SCHEDULES:
         schedule = pipeline.make_schedule(
-            kind, STAGES, MICROBATCHES, VIRTUAL if kind == "interleaved" else 1
+            kind, STAGES, MICROBATCHES, {"interleaved": VIRTUAL, "zbv": 2}.get(kind, 1)
         )
         idle = (schedule[:, :, pipeline.OP] == pipeline.IDLE).mean()
         formula, work = FORMULAS[kind]
@@ -154,8 +155,8 @@ def table():
         )
     rows += [
         "",
-        "The costs, in the matmul FLOPs of one stage's ops as compiled (`dev/schedules.py`'s "
-        "`op_costs`, the default block, one micro-batch), in forwards: a whole backward "
+        "The costs, in matmul FLOPs of one stage's compiled ops (`op_costs`, the default block, "
+        "one micro-batch), in forwards: a whole backward "
         f"{costs[pipeline.BACKWARD]:.2f}, zero-bubble's B {costs[pipeline.INPUT_GRAD]:.2f} and W "
         f"{costs[pipeline.WEIGHT_GRAD]:.2f}. A tick lasts as long as its slowest stage's op.",
     ]

@@ -103,8 +103,9 @@ STRATEGIES.update(
 STRATEGIES.update(
     {f"pipeline_{s}": (pipeline, {"schedule": s, "microbatches": 2}) for s in pipeline.SCHEDULES}
 )
-# Interleaved: 2 groups of layers per stage need 4 layers on 2 stages ('auto': data=4,stage=2).
-STRATEGIES["pipeline_interleaved"][1]["layers"] = 4
+# Interleaved and zbv: 2 groups of layers per stage need 4 layers on 2 stages ('auto':
+# data=4,stage=2).
+STRATEGIES["pipeline_interleaved"][1]["layers"] = STRATEGIES["pipeline_zbv"][1]["layers"] = 4
 # explicit_sharding.py's presets: the layouts of logical_pjit.py's, on Explicit axes.
 STRATEGIES.update(
     {

@@ -69,7 +69,7 @@ def test_resume_is_exact_in_the_same_script(name, tmp_path):
 # Every pytest: fsdp.py's blocks one by one read into pipeline.py's stages; -m full: every pair.
 PAIRS = [
     ("pmap_dp", "fsdp"),  # one copy per device -> one copy split over all
-    ("fsdp", "pipeline_1f1b"),  # blocks one by one -> stacked by stage
+    ("fsdp", "pipeline_zbv"),  # blocks one by one -> stacked by stage, in zbv's V
     ("expert_parallel", "pjit_tp"),  # a mixture of experts: experts split, then their hidden units
     ("explicit_fsdp_tp", "pipeline_1f1b"),  # a state whose shardings are in its types -> stages
     ("fsdp", "explicit_tp"),  # and back: boxed shards -> Explicit types
@@ -106,7 +106,7 @@ def balance_biases(result):
 
 @pytest.mark.parametrize("writer, reader", matrix(PAIRS, PAIRS[1:2]))
 def test_another_script_resumes(writer, reader, tmp_path):
-    flags = model_flags(writer)
+    flags = {**model_flags(writer), **model_flags(reader)}
     resumed = check_resumes(writer, reader, flags, tmp_path, run(reader, **flags))
     if flags.get("router_bias_rate"):  # the balance bias resumed too, and moved on the same
         mine, theirs = balance_biases(resumed), balance_biases(run(reader, **flags))

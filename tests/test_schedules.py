@@ -10,10 +10,14 @@ import common
 import pipeline
 from pipeline import (
     BACKWARD,
-    COLUMNS,
     FORWARD,
+    FROM_ABOVE,
+    FROM_BELOW,
+    FROM_SELF,
+    GRADIENT_SLOT,
     IDLE,
     INPUT_GRAD,
+    INPUT_SLOT,
     MICROBATCH,
     OP,
     SCHEDULES,
@@ -27,9 +31,18 @@ SIZES = sorted(
     {(stages, microbatches) for stages in (2, 3, 4, 8) for microbatches in (stages, 2 * stages, 16)}
 )
 # (kind, stages, micro-batches, groups of layers per stage); interleaved takes multiples of the
-# stages.
-CASES = [(kind, s, m, 1) for kind in SCHEDULES if kind != "interleaved" for s, m in SIZES]
+# stages, zbv any number (below 3 S / 2 too).
+ONE_GROUP = [kind for kind in SCHEDULES if kind not in ("interleaved", "zbv")]
+CASES = [(kind, s, m, 1) for kind in ONE_GROUP for s, m in SIZES]
 CASES += [("interleaved", s, m, v) for s, m in SIZES if m % s == 0 for v in (2, 3, 4)]
+CASES += [("zbv", s, m, 2) for s, m in sorted(SIZES + [(4, 1), (4, 5), (8, 11)])]
+SPLIT = ("zero-bubble", "zbv")  # the backward split into B and W
+
+
+def stage_of(kind, stages, chunk):
+    """The stage that holds a group of layers: chunk % stages, but zbv's V: stage s holds chunks
+    s and 2 stages - 1 - s."""
+    return min(chunk, 2 * stages - 1 - chunk) if kind == "zbv" else chunk % stages
 
 
 def bubble_formula(kind, stages, microbatches, virtual):
@@ -37,7 +50,14 @@ def bubble_formula(kind, stages, microbatches, virtual):
     draining around M forwards and M backwards of a tick each, (S - 1) / (M + S - 1). ZB-H1
     (Qi et al. 2023, T_F = T_B = T_W): (S - 1)(T_F + T_B - T_W) idle beside 3M ticks of work.
     Interleaved (Narayanan et al. 2021): a tick is a group of layers, 1 / V of a stage's, so
-    the same S - 1 ticks each way are beside V M of each: (S - 1) / (V M + S - 1)."""
+    the same S - 1 ticks each way are beside V M of each: (S - 1) / (V M + S - 1). ZB-V (Qi et
+    al. 2023, section 6): S - 1 ticks of half a stage idle beside 6 M of work, once the V is
+    full; below 3 S / 2 micro-batches it never is, and a step takes 4 M + 4 S - 2 ticks (the
+    last micro-batch's way down the V and back, 4 S - 2, after 4 M ticks; measured here)."""
+    if kind == "zbv":
+        return 1 - 6 * microbatches / max(
+            6 * microbatches + stages - 1, 4 * (microbatches + stages) - 2
+        )
     work = {"zero-bubble": 3 * microbatches, "interleaved": virtual * microbatches}.get(
         kind, microbatches
     )
@@ -50,24 +70,26 @@ def test_show_schedule_prints_each_stages_work_once_in_the_formulas_ticks(kind, 
     row per stage: each micro-batch's forward and backward there once per group of layers
     (zero-bubble: and its weights' gradient), in as many ticks as the bubble's formula counts
     (the stage's work over 1 - bubble). On 4 stages of 12 micro-batches; interleaved, 4 groups
-    of layers per stage (--virtual-stages 4, 16 layers)."""
-    stages, microbatches, virtual = 4, 12, 4 if kind == "interleaved" else 1
+    of layers per stage (--virtual-stages 4, 16 layers); zbv, 2."""
+    stages, microbatches = 4, 12
+    virtual = {"interleaved": 4, "zbv": 2}.get(kind, 1)
     flags = ["--show-schedule", "--schedule", kind, "--mesh", "data=2,stage=4", "--batch-size"]
     flags += ["48", "--microbatches", "12", "--layers", str(stages * virtual)]
     flags += ["--virtual-stages", "4"] if kind == "interleaved" else []
     config = common.parse_config(pipeline.Config, None, flags)
     assert pipeline.main(config) is None
     record_flags(pipeline, config)
-    head, said = capsys.readouterr().out.splitlines(), ", 4 groups of layers per stage"
+    head, said = capsys.readouterr().out.splitlines(), f", {virtual} groups of layers per stage"
     assert head[0] == f"--schedule {kind} on 4 stages, 12 micro-batches{said * (virtual > 1)}:"
     held = [most_held(kind, stages, microbatches, virtual, s) for s in range(stages)]
     assert head[2].endswith(": " + " ".join(map(str, held)))  # micro-batches in flight
     rows = [line.split(": ")[1].split() for line in head[3:]]
-    ops = "FBW" if kind == "zero-bubble" else "FB"
+    ops = "FBW" if kind in SPLIT else "FB"
     work = len(ops) * virtual * microbatches
     for s, row in enumerate(rows):
         done = sorted(cell for cell in row if cell != ".")
-        groups = [f"{v * stages + s}" if virtual > 1 else "" for v in range(virtual)]
+        chunks = [c for c in range(stages * virtual) if stage_of(kind, stages, c) == s]
+        groups = [f"{c}" if virtual > 1 else "" for c in chunks]
         expected = [f"{g}{op}{m}" for g in groups for op in ops for m in range(microbatches)]
         assert done == sorted(expected), s
     bubble = bubble_formula(kind, stages, microbatches, virtual)
@@ -82,8 +104,10 @@ def most_held(kind, stages, microbatches, virtual, s):
     """The (group, micro-batch) pairs a stage may hold between a forward and the end of its
     backward: GPipe all of them, 1F1B stages - s, zero-bubble `stages` (1F1B's first stage's) on
     every stage, from the forward to the WEIGHT_GRAD; interleaved, its warm-up's forwards
-    (V - 1) S + 2 (S - 1 - s) and one more, at most all V M."""
+    (V - 1) S + 2 (S - 1 - s) and one more, at most all V M; zbv, 2 S of half a stage (1F1B's
+    first stage's, by the layers), or M + s + 1 where fewer micro-batches fill it."""
     return {
+        "zbv": min(2 * stages, microbatches + s + 1, 2 * microbatches),
         "gpipe": microbatches,
         "1f1b": min(stages - s, microbatches),
         "zero-bubble": min(stages, microbatches),
@@ -97,72 +121,87 @@ def most_held(kind, stages, microbatches, virtual, s):
 def test_schedule_is_valid_and_its_bubble_is_the_formulas(kind, stages, microbatches, virtual):
     table = make_schedule(kind, stages, microbatches, virtual)
     ticks, chunks = table.shape[0], stages * virtual
-    when = {}  # (op, chunk, micro-batch) -> tick; chunk v * stages + s is stage s's group v
+    when = {}  # (op, chunk, micro-batch) -> tick
     for t in range(ticks):
         for s in range(stages):
             op, m, v = table[t, s, [OP, MICROBATCH, VIRTUAL]]
+            chunk = [c for c in range(chunks) if stage_of(kind, stages, c) == s][v]
             if op != IDLE:
-                assert (op, v * stages + s, m) not in when, (
-                    f"{kind}: stage {s} runs {op} of {v}, {m} twice"
-                )
-                when[op, v * stages + s, m] = t
-    backward = INPUT_GRAD if kind == "zero-bubble" else BACKWARD
-    expected_ops = {FORWARD, backward} | ({WEIGHT_GRAD} if kind == "zero-bubble" else set())
+                assert (op, chunk, m) not in when, f"{kind}: stage {s} runs {op} of {v}, {m} twice"
+                when[op, chunk, m] = t
+    backward = INPUT_GRAD if kind in SPLIT else BACKWARD
+    expected_ops = {FORWARD, backward} | ({WEIGHT_GRAD} if kind in SPLIT else set())
     assert {op for op, _, _ in when} == expected_ops
-    last = WEIGHT_GRAD if kind == "zero-bubble" else backward  # the last to read what a stage keeps
+    last = WEIGHT_GRAD if kind in SPLIT else backward  # the last to run on what a stage keeps
     for c in range(chunks):
-        s = c % stages
+        s = stage_of(kind, stages, c)
         for m in range(microbatches):
             forward, back = when[FORWARD, c, m], when[backward, c, m]  # each one exactly once
-            if kind == "zero-bubble":
+            if kind in SPLIT:
                 assert when[WEIGHT_GRAD, c, m] > back
             if c > 0:  # its input arrived from the previous group at the end of an earlier tick
-                kept(table, s, "input", when[FORWARD, c - 1, m], [forward, back, when[last, c, m]])
+                sent = when[FORWARD, c - 1, m]
+                kept(
+                    table, kind, s, stage_of(kind, stages, c - 1), sent, INPUT_SLOT, [forward, back]
+                )
             if c < chunks - 1:  # the gradient of its output arrived from the next group
-                kept(table, s, "gradient", when[backward, c + 1, m], [back, when[last, c, m]])
+                sent = when[backward, c + 1, m]
+                kept(table, kind, s, stage_of(kind, stages, c + 1), sent, GRADIENT_SLOT, [back])
             else:
                 assert back > forward
     for s in range(stages):
-        mine = [(v * stages + s, m) for v in range(virtual) for m in range(microbatches)]
+        mine = [
+            (c, m)
+            for c in range(chunks)
+            if stage_of(kind, stages, c) == s
+            for m in range(microbatches)
+        ]
         held = [
             sum(when[FORWARD, c, m] <= t < when[last, c, m] for c, m in mine) for t in range(ticks)
         ]
         assert max(held) == most_held(kind, stages, microbatches, virtual, s), f"{kind}: stage {s}"
-        for what, edge in (("input", 0), ("gradient", chunks - 1)):  # all that arrives is read
-            arrived = (table[:, s, COLUMNS[what][1]] >= 0).sum()
-            assert arrived == microbatches * sum(c != edge for c in range(s, chunks, stages))
+        # all that arrives is read: an input for each group's forward but the model's first, a
+        # gradient for each backward but the last group's
+        arrived = (table[:, s, [FROM_BELOW, FROM_ABOVE, FROM_SELF]] >= 0).sum()
+        assert arrived == sum((c > 0) + (c < chunks - 1) for c, m in mine)
     idle = (table[:, :, OP] == IDLE).mean()
     assert idle == pytest.approx(bubble_formula(kind, stages, microbatches, virtual), abs=1e-12)
 
 
-def test_zero_bubble_keeps_what_each_input_grad_leaves_until_its_weight_grad():
+@pytest.mark.parametrize("kind", SPLIT)
+def test_zero_bubble_keeps_what_each_input_grad_leaves_until_its_weight_grad(kind):
     """The table's KEPT column: each INPUT_GRAD's slot, the lowest free, read by its WEIGHT_GRAD and
-    no other micro-batch's in between; -1 at every other operation; `stages` slots at most."""
+    no other micro-batch's in between; -1 at every other operation; `stages` slots at most
+    (zbv: 2 stages - 1, the Ws its last stage defers)."""
     for stages, microbatches in SIZES:
-        table = make_schedule("zero-bubble", stages, microbatches)
+        table = make_schedule(kind, stages, microbatches, 2 if kind == "zbv" else 1)
         slots = table[:, :, pipeline.KEPT]
         for s in range(stages):
             held = {}
             for t, (op, m, v) in enumerate(table[:, s, :3]):
                 if op == INPUT_GRAD:
-                    assert slots[t, s] == min(set(range(stages + 1)) - set(held.values()))
+                    assert slots[t, s] == min(set(range(2 * stages)) - set(held.values()))
                     held[v, m] = slots[t, s]
                 elif op == WEIGHT_GRAD:
                     assert slots[t, s] == held.pop((v, m))
                 else:
                     assert slots[t, s] == -1
-        assert slots.max() < stages
+        assert slots.max() < (2 * stages - 1 if kind == "zbv" else stages)
 
 
-def kept(table, s, what, sent, reads):
-    """What was sent to stage s at tick `sent` (an "input" or a "gradient") went into a slot,
-    which every read of it names and which nothing else arriving at stage s overwrites before
-    the last read."""
-    read, arrives = COLUMNS[what]
-    slot = table[sent, s, arrives]
+def kept(table, kind, s, sender, sent, read, reads):
+    """What stage `sender` sent to stage s at tick `sent` (an input or a gradient) went into a
+    slot, in the column of the way it came (from below, from above or from itself), which every
+    read of it names (in the column `read`) and which nothing else arriving at stage s
+    overwrites before the last read."""
+    stages = table.shape[1]
+    ring = kind == "interleaved"
+    below = s == sender + 1 or (ring and s == (sender + 1) % stages)
+    column = FROM_SELF if s == sender else FROM_BELOW if below else FROM_ABOVE
+    slot = table[sent, s, column]
     assert slot >= 0 and sent < min(reads)
     assert all(table[t, s, read] == slot for t in reads)
-    overwritten = table[sent + 1 : max(reads), s, arrives]
+    overwritten = table[sent + 1 : max(reads), s][:, [FROM_BELOW, FROM_ABOVE, FROM_SELF]]
     assert slot not in overwritten
 
 
@@ -178,6 +217,19 @@ def test_zero_bubble_leaves_a_third_of_1f1bs_bubble():
         assert ((zb[:, :, OP] == IDLE).sum(axis=0) == stages - 1).all()
         assert ((onef1b[:, :, OP] == IDLE).sum(axis=0) == 2 * (stages - 1)).all()
         assert np.all((onef1b[:, :, OP] != IDLE).sum(axis=0) == 2 * microbatches)
+
+
+def test_zbv_halves_zero_bubbles_idle_time():
+    """ZB-V, once its V is full (at least 3 S / 2 micro-batches), idles S - 1 ticks on every
+    stage as ZB-H1 does, but each of half a stage's work: half the bubble's time of zero-bubble,
+    a sixth of 1F1B's, at the peak 1F1B's first stage holds (2 S halves of a stage)."""
+    for stages, microbatches in SIZES:
+        if 2 * microbatches < 3 * stages:
+            continue
+        zbv = make_schedule("zbv", stages, microbatches, 2)
+        assert ((zbv[:, :, OP] == IDLE).sum(axis=0) == stages - 1).all()
+        assert zbv.shape[0] == 6 * microbatches + stages - 1
+        assert max(pipeline.in_flight(zbv)) == 2 * stages
 
 
 def test_interleaving_divides_the_bubbles_time_by_the_groups():
