@@ -11,8 +11,9 @@ read from make_schedule's tables). tests/test_docs.py fails when either is stale
 """
 
 import argparse
+import contextlib
+import io
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import numpy as np  # noqa: E402
 from tools import hlo  # noqa: E402
 import pipeline  # noqa: E402
 
-STAGES, MICROBATCHES, VIRTUAL, LAYERS = 4, 8, 2, 8
+STAGES, MICROBATCHES, VIRTUAL = 4, 8, 2
 FORMULAS = {  # the bubble's share of the stages' ticks (tests/test_schedules.py checks them all)
     "gpipe": ("(S − 1)/(M + S − 1)", MICROBATCHES),
     "1f1b": ("(S − 1)/(M + S − 1)", MICROBATCHES),
@@ -110,22 +111,15 @@ def predicted(schedule, costs):
 
 
 def picture():
-    out = ""
-    for kind in pipeline.SCHEDULES:
-        command = [sys.executable, "pipeline.py", "--show-schedule", "--schedule", kind]
-        command += [
-            "--mesh",
-            f"data=2,stage={STAGES}",
-            "--layers",
-            str(LAYERS),
-            "--microbatches",
-            str(MICROBATCHES),
-        ]
-        done = subprocess.run(
-            command, cwd=ROOT, capture_output=True, text=True, timeout=120, check=True
-        )
-        out += done.stdout
-    return "<!-- schedule:start -->\n```\n" + out + "```\n<!-- schedule:end -->"
+    """What `python pipeline.py --show-schedule --schedule KIND` prints for each schedule
+    (its main calls show_schedule on make_schedule's table, as here)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        for kind in pipeline.SCHEDULES:
+            groups = {"interleaved": VIRTUAL, "zbv": 2}.get(kind, 1)
+            table = pipeline.make_schedule(kind, STAGES, MICROBATCHES, groups)
+            pipeline.show_schedule(kind, table)
+    return "<!-- schedule:start -->\n```\n" + out.getvalue() + "```\n<!-- schedule:end -->"
 
 
 def table():

@@ -69,7 +69,7 @@ def test_resume_is_exact_in_the_same_script(name, tmp_path):
 # Every pytest: fsdp.py's blocks one by one read into pipeline.py's stages; -m full: every pair.
 PAIRS = [
     ("pmap_dp", "fsdp"),  # one copy per device -> one copy split over all
-    ("fsdp", "pipeline_zbv"),  # blocks one by one -> stacked by stage, in zbv's V
+    ("fsdp", "pipeline_1f1b"),  # blocks one by one -> stacked by stage
     ("expert_parallel", "pjit_tp"),  # a mixture of experts: experts split, then their hidden units
     ("explicit_fsdp_tp", "pipeline_1f1b"),  # a state whose shardings are in its types -> stages
     ("fsdp", "explicit_tp"),  # and back: boxed shards -> Explicit types
@@ -79,6 +79,7 @@ PAIRS = [
     ("pipeline_interleaved", "fsdp"),  # stage s's groups s, s + stages, ... -> the blocks in order
     ("context_parallel", "context_ulysses"),  # the ring's run, on with Ulysses
     ("pjit_tp_sp", "context_all_gather"),  # sequence parallel -> the keys and values gathered
+    ("fsdp", "pipeline_zbv"),  # -> stage s holding groups s and 2 stages - 1 - s (zbv's V)
 ]
 
 
