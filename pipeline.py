@@ -16,8 +16,9 @@ idle; interleaved (Megatron's) runs 1F1B over the smaller groups, each micro-bat
 the ring of stages --virtual-stages times, so filling and draining take ticks of a group; zbv
 (ZB-V) gives stage s groups s and 2 stages - 1 - s, a micro-batch going up the stages and back
 down, B and W split. After each tick every stage passes what it made to both neighbours. A
-stage keeps only a micro-batch's input for its backward, jax.vjp of the stage on it (recomputed,
-as --remat does); zero-bubble's B keeps each dense layer's input and output gradient for its W.
+forward keeps its input, and the backward runs the stage again (--remat, the default); with
+--no-remat it keeps what jax.vjp of the stage keeps for the backward in a slot, where a split B
+then leaves W each dense layer's input and output gradient: zero-bubble holds 1F1B's peak.
 Collectives per step: two collective-permutes a tick between neighbouring stages; an all-gather
 over 'stage' of the embedding and head and a reduce-scatter of their gradients; an all-reduce
 over 'data' of all gradients, as in data parallelism.
@@ -29,7 +30,7 @@ gradients sent between stages, each stage's gradient made by jax.vjp of its own 
 Run:
   python pipeline.py                     # a laptop: 8 emulated CPU devices, data=2,stage=4
   python pipeline.py --schedule gpipe --show-schedule   # print the ticks, train nothing
-  python pipeline.py --schedule zero-bubble   # a third of 1F1B's bubble
+  python pipeline.py --schedule zero-bubble --no-remat   # a third of 1F1B's bubble, at its peak
   python pipeline.py --schedule interleaved --layers 8   # 2 groups of layers per stage
   python pipeline.py --schedule zbv --layers 8   # the V: 6% of the ticks idle at M = 8
   python pipeline.py --distributed       # every host of a TPU pod slice (README)
@@ -64,6 +65,7 @@ class Config(common.Config):
     microbatches: int = common.arg(8, "micro-batches per step and data shard, through the stages")
     virtual_stages: int = common.arg(2, "--schedule interleaved: groups of layers per stage")
     show_schedule: bool = common.arg(False, "print the schedule's ticks and exit, training nothing")
+    remat: bool = common.arg(True, "each backward runs its stage again (--no-remat: keeps it)")
 
     def virtual(self):
         """Groups of layers per stage: --virtual-stages when interleaved, two for zbv, else one."""
@@ -129,9 +131,7 @@ class Config(common.Config):
         many = f"must be {rule} the {stages} stages for --schedule {self.schedule}, e.g. {eg}"
         common.require(self.takes(count, stages), "microbatches", many)
         held = "is how the pipeline holds its blocks already, e.g. --no-scan-layers"
-        common.require(not self.scan_layers, "scan_layers", held + " --no-remat" * self.remat)
-        redone = "is what each stage's backward does already, e.g. --no-remat"
-        common.require(not self.remat, "remat", redone)
+        common.require(not self.scan_layers, "scan_layers", held)
 
 
 def make_mesh(config):
@@ -147,7 +147,8 @@ BATCH_SPEC = P("data")  # rows split over 'data'
 OPS = IDLE, FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2, 3, 4
 # The table's columns: what a stage runs, on which micro-batch and group; the slots it reads its
 # input and output gradient from; the slots what arrives at the tick's end goes into, from the
-# stage below (s - 1), from the one above (s + 1) and from itself (zbv's turn); INPUT_GRAD's kept.
+# stage below (s - 1), from the one above (s + 1) and from itself (zbv's turn, the loss's
+# gradient); the kept slot (what a forward keeps for its backward, INPUT_GRAD for WEIGHT_GRAD).
 OP, MICROBATCH, VIRTUAL, INPUT_SLOT, GRADIENT_SLOT = range(5)
 FROM_BELOW, FROM_ABOVE, FROM_SELF, KEPT = range(5, 9)
 
@@ -207,13 +208,14 @@ def zbv_order(stages, microbatches, s):
     return [(op, v, m) for op, v, m in order if m < microbatches]
 
 
-def make_schedule(kind, stages, microbatches, virtual=1):
+def make_schedule(kind, stages, microbatches, virtual=1, keep=False):
     """The schedule as data, table[tick, stage] = the columns above (-1: none; the first group
-    reads the tokens, the last's gradient is the loss's). Each stage runs stage_order's operations
-    in turn, each at the first tick its input is there (the previous group's forward of m, or the
-    next group's backward; the last group's: its own forward). Zero-bubble (ZB-H1, Qi et al.
-    2023): a stage that would idle runs the oldest WEIGHT_GRAD it owes, holding at most `stages`
-    micro-batches between a forward and its WEIGHT_GRAD (1F1B's most); zbv's order names its Ws."""
+    reads the tokens; `keep`: each forward keeps what its backward reads). Each stage runs
+    stage_order's operations in turn, each at the first tick its input is there (the previous
+    group's forward of m, or the next group's backward; the last group's: its own forward).
+    Zero-bubble (ZB-H1, Qi et al. 2023): a stage that would idle runs the oldest WEIGHT_GRAD it
+    owes, holding at most `stages` micro-batches between a forward and its WEIGHT_GRAD (1F1B's
+    most); zbv's order names its Ws."""
     chunks = stages * virtual
     orders = [stage_order(kind, stages, microbatches, s, virtual) for s in range(stages)]
     ran = {}  # (op, chunk, m) -> the tick it ran at (INPUT_GRAD as BACKWARD)
@@ -239,13 +241,14 @@ def make_schedule(kind, stages, microbatches, virtual=1):
             owed[s] += [(v, m)] * (op == INPUT_GRAD)
             row.append((op, v, m))
         rows.append(row)
-    return place_in_slots(rows, kind, stages, virtual)
+    return place_in_slots(rows, kind, stages, virtual, keep)
 
 
-def place_in_slots(rows, kind, stages, virtual):
+def place_in_slots(rows, kind, stages, virtual, keep=False):
     """The table from each tick's (op, v, m) per stage: each activation and gradient that arrives
-    in the lowest slot free until its last use (inputs and gradients share the slots), and what
-    an INPUT_GRAD keeps for its WEIGHT_GRAD in the lowest kept slot free."""
+    in the lowest slot free until its last use (inputs and gradients share the slots; the last
+    group's forward sends itself the loss's gradient), and in the lowest kept slot free what a
+    forward keeps for its backward (with `keep`) and an INPUT_GRAD for its WEIGHT_GRAD."""
     chunks, table, slots = stages * virtual, np.full((len(rows), stages, 9), -1, np.int32), {}
     where = {chunk_of(kind, stages, s, v): (s, v) for s in range(stages) for v in range(virtual)}
 
@@ -260,13 +263,15 @@ def place_in_slots(rows, kind, stages, virtual):
             c, last = chunk_of(kind, stages, s, v), op in (BACKWARD, INPUT_GRAD)
             table[t, s, [OP, MICROBATCH, VIRTUAL]] = op, m, v
             for what, read in (("input", INPUT_SLOT), ("gradient", GRADIENT_SLOT)):
-                table[t, s, read] = (slots.pop if last else slots.get)((False, s, what, v, m), -1)
-            if op == INPUT_GRAD:  # what its WEIGHT_GRAD reads
+                done = op == FORWARD if keep and what == "input" else last  # its last use
+                table[t, s, read] = (slots.pop if done else slots.get)((False, s, what, v, m), -1)
+            if op == (FORWARD if keep else INPUT_GRAD):  # what a later op reads
                 table[t, s, KEPT] = take(True, s, v, m)
-            if op == WEIGHT_GRAD:
-                table[t, s, KEPT] = slots.pop((True, s, v, m))
-            if op == FORWARD and c + 1 < chunks:  # to the next group
-                arriving.append(("input", s, c + 1, m))
+            elif op != FORWARD and (True, s, v, m) in slots:  # read, and freed unless W reads it
+                done = op != INPUT_GRAD
+                table[t, s, KEPT] = (slots.pop if done else slots.get)((True, s, v, m))
+            if op == FORWARD:  # to the next group, or the last's loss's gradient to itself
+                arriving.append(("input", s, c + 1, m) if c + 1 < chunks else ("gradient", s, c, m))
             if op in (BACKWARD, INPUT_GRAD) and c > 0:  # to the previous group
                 arriving.append(("gradient", s, c - 1, m))
         for what, sender, c, m in arriving:
@@ -407,38 +412,7 @@ def init_state(config, mesh, shapes_only=False):
     return create.eval_shape() if shapes_only else create()
 
 
-def stage_forward(params, x, tokens, rng, config, v=0, deltas=None, head=True):
-    """One stage's group of layers v on one micro-batch: the embedding first (in place of `x`) on
-    the model's first group, the head and summed loss last on its last (unless not `head`).
-    Returns (the output, the loss with a mixture's balance loss), (the loss, the blocks' sums,
-    with `deltas` the dense layers' inputs: keep_dense)."""
-    stage, stages = lax.axis_index("stage"), lax.axis_size("stage")
-    virtual = jax.tree.leaves(params["blocks"])[0].shape[0]
-    # Which group of the model's layers: 0 first, virtual * stages - 1 last
-    chunk = chunk_of(config.schedule, stages, stage, v)
-    model = common.make_model(config)  # its pieces: model.defs, model.tied
-    rng = rng if config.dropout > 0 else None  # dropout given a key, none without
-
-    def embed():
-        return common.run_piece(model.defs["embed"], params["embed"], tokens[:, :-1], rng)
-
-    x = lax.cond(chunk == 0, embed, lambda: x)
-
-    blocks = jax.tree.map(lambda p: p[v], params["blocks"])  # the group's layers
-    x, stats, inputs = run_blocks(blocks, x, rng, config, chunk, deltas)
-
-    def loss():
-        # A tied head reads the embedding's table: summed over 'stage', its gradient adds both uses
-        head = common.with_tied(params["head"], params["embed"], model.tied)
-        logits = common.run_piece(model.defs["head"], head, x, rng)
-        return common.cross_entropy(logits, tokens[:, 1:]).sum()
-
-    none = jnp.zeros((), jnp.float32)
-    loss = lax.cond(chunk == virtual * stages - 1, loss, lambda: none) if head else none
-    return (x, loss + stats.get("aux_loss_sum", 0.0)), (loss, stats, inputs)
-
-
-def run_blocks(blocks, x, rng, config, chunk=0, deltas=None):
+def run_blocks(blocks, x, rng, config, chunk=0, deltas=()):
     """The model's `chunk`-th group of blocks ([layers, ...]) on x: the output, the blocks' sums
     and (with `deltas`) their dense layers' inputs."""
     piece = common.make_model(config).defs["block"]
@@ -457,9 +431,9 @@ def run_blocks(blocks, x, rng, config, chunk=0, deltas=None):
 
 
 def keep_dense(block, deltas, kept):
-    """Zero-bubble's split backward: the k-th nnx.Linear the block calls appends (its kernel's
-    path, its input, its output) to `kept` and adds deltas[k] (zeros) to its output. The gradient
-    of deltas[k] is the layer's output gradient dy: with x, all its kernel's x^T dy needs. Other
+    """A split backward: the k-th nnx.Linear the block calls appends (its kernel's path, its
+    input, its output) to `kept` and adds deltas[k] (zeros) to its output. The gradient of
+    deltas[k] is the layer's output gradient dy: with x, all its kernel's x^T dy needs. Other
     layers (experts, norms) get their weights' gradient with the input's."""
     for path, layer in nnx.iter_modules(block):
         if type(layer) is nnx.Linear:
@@ -489,28 +463,83 @@ def dense_calls(config, params, activation):
     return [(path, x, y) for (path, *_), (x, y) in zip(calls, shapes, strict=True)]
 
 
-def with_kernel(grads, v, path, value):
-    """The gradients with group v's kernel at `path` in a block `value` (None: zeros)."""
+def group(params, v):
+    """The parameters with group v's blocks only ([layers, ...])."""
+    return {**params, "blocks": jax.tree.map(lambda p: p[v], params["blocks"])}
 
-    def put(where, g):  # g: [virtual, layers, in, out]
-        if tuple(k.key for k in where) != ("blocks", *path):
-            return g
-        return jnp.zeros_like(g) if value is None else jnp.zeros_like(g).at[v].set(value)
 
-    return jax.tree_util.tree_map_with_path(put, grads)
+def in_group(grads, v, virtual):
+    """A group's gradients as the stage's: group v's blocks, zeros for the others."""
+    put = lambda g: jnp.zeros((virtual, *g.shape), g.dtype).at[v].set(g)  # noqa: E731
+    return {**grads, "blocks": jax.tree.map(put, grads["blocks"])}
+
+
+def with_kernels(tree, calls, kernels):
+    """The tree with each dense kernel of its blocks (calls: dense_calls) set to `kernels`."""
+    tree = jax.tree.map(lambda x: x, tree)  # its dicts copied
+    for (path, *_), kernel in zip(calls, kernels, strict=True):
+        functools.reduce(dict.__getitem__, path[:-1], tree["blocks"])[path[-1]] = kernel
+    return tree
+
+
+def kernels_of(tree, calls):
+    """Each dense kernel of the tree's blocks, in the order of calls (dense_calls)."""
+    return [functools.reduce(dict.__getitem__, path, tree["blocks"]) for path, *_ in calls]
+
+
+def vjp_kept(fn, params, *args):
+    """jax.vjp of fn, with what it keeps for the backward, less the parameters (found by
+    identity), as a list, and how to make the vjp function again from params and that list."""
+    out, vjp, aux = jax.vjp(fn, params, *args, has_aux=True)
+    leaves, tree = jax.tree.flatten(vjp)
+    where = {id(p): i for i, p in enumerate(jax.tree.leaves(params))}
+    where = [where.get(id(leaf), -1) for leaf in leaves]
+
+    def again(params, kept):
+        kept, params = iter(kept), jax.tree.leaves(params)
+        return jax.tree.unflatten(tree, [params[i] if i >= 0 else next(kept) for i in where])
+
+    return out, aux, [leaf for leaf, i in zip(leaves, where, strict=True) if i < 0], again
+
+
+def pack(arrays, sizes):
+    """The arrays raveled into one vector per dtype, zero-padded to sizes[dtype]: one slot."""
+    flat = {
+        d: jnp.concatenate([jnp.zeros(0, d)] + [a.ravel() for a in arrays if a.dtype == d])
+        for d in sizes
+    }
+    return {d: jnp.pad(v, (0, sizes[d] - v.size)) for d, v in flat.items()}
+
+
+def unpack(slot, shapes):
+    """The arrays of `shapes` back from a slot pack made."""
+    at, arrays = dict.fromkeys(slot, 0), []
+    for s in shapes:
+        d = jnp.dtype(s.dtype).name
+        arrays.append(slot[d][at[d] : at[d] + s.size].reshape(s.shape))
+        at[d] += s.size
+    return arrays
+
+
+def slot_sizes(*layouts):
+    """Per dtype, the most elements any layout (a list of shapes) packs into one slot."""
+    dtypes = {jnp.dtype(s.dtype).name for shapes in layouts for s in shapes}
+    count = lambda shapes, d: sum(s.size for s in shapes if jnp.dtype(s.dtype).name == d)  # noqa: E731
+    return {d: max(count(shapes, d) for shapes in layouts) for d in dtypes}
 
 
 def pipeline_gradients(params, batch, rng, config, table):
     """Run the schedule, tick by tick as `table` says: every stage's gradient of the mean loss of
     this device's rows, and the summed loss (on the last stage)."""
     stage, stages = lax.axis_index("stage"), lax.axis_size("stage")
-    microbatches = config.microbatches
+    microbatches, virtual, keep = config.microbatches, config.virtual(), not config.remat
     # Micro-batch i takes rows i, i + m, i + 2m, ... (as common.accumulate_gradients does).
     pieces = batch.reshape(-1, microbatches, batch.shape[-1]).swapaxes(0, 1)
     # How many activations and gradients a stage keeps at once, the most any stage does.
     size = max(1, table[:, :, [FROM_BELOW, FROM_ABOVE, FROM_SELF]].max() + 1)
     # What passes between stages: the embedding's output, of the shape of every block's.
-    defs = common.make_model(config).defs
+    model = common.make_model(config)
+    defs = model.defs
     embed = lambda: common.run_piece(defs["embed"], params["embed"], pieces[0][:, :-1])  # noqa: E731
     activation = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), jax.eval_shape(embed))
     ring = config.schedule == "interleaved"  # the last stage on to the first, and back
@@ -524,93 +553,127 @@ def pipeline_gradients(params, batch, rng, config, table):
     block = lambda: common.run_piece(defs["block"], block_params, activation)[1]  # noqa: E731
     stats = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(block) or {})
 
-    # Zero-bubble: what INPUT_GRAD keeps for WEIGHT_GRAD, per dense layer: input, output gradient
-    zero_bubble = bool((table[:, :, OP] == WEIGHT_GRAD).any())
-    calls = dense_calls(config, params, activation) if zero_bubble else []
+    # A split backward (zero-bubble, zbv): B leaves each dense layer's input and output gradient
+    split = bool((table[:, :, OP] == WEIGHT_GRAD).any())
+    calls = dense_calls(config, params, activation) if split else []
     layers = jax.tree.leaves(params["blocks"])[0].shape[1]
-    kept_count = max(1, table[:, :, KEPT].max() + 1)
-    kept = [tuple(jnp.zeros((kept_count, layers, *a.shape), a.dtype) for a in c[1:]) for c in calls]
+    stacked = lambda a: jax.ShapeDtypeStruct((layers, *a.shape), a.dtype)  # noqa: E731
+    inputs, outputs = [stacked(x) for _, x, _ in calls], [stacked(y) for *_, y in calls]
+    deltas = [jnp.zeros(y.shape, y.dtype) for y in outputs]
+
+    def stage_fn(g, tokens, key, chunk):
+        """The model's `chunk`-th group (the embedding first on the first) as jax.vjp takes it:
+        (parameters, input, deltas) -> (output, balance loss), (sums, dense layers' inputs).
+        A split backward holds the dense kernels at g's: their gradients are W's."""
+        kernels = kernels_of(g, calls)
+
+        def fn(p, x, d):
+            p = with_kernels(p, calls, kernels)
+            embed = lambda: common.run_piece(defs["embed"], p["embed"], tokens[:, :-1], key)  # noqa: E731
+            x = lax.cond(chunk == 0, embed, lambda: x)
+            x, stats, inputs = run_blocks(p["blocks"], x, key, config, chunk, d)
+            return (x, stats.get("aux_loss_sum", jnp.float32(0))), (stats, inputs)
+
+        return fn
+
+    # A kept slot: what a forward keeps for its backward (but --remat), then what B leaves W
+    def kept_shapes():
+        g, key = group(params, 0), rng if config.dropout > 0 else None
+        return vjp_kept(stage_fn(g, pieces[0], key, stage), g, activation, deltas)[2]
+
+    held = jax.eval_shape(kept_shapes) if keep else []
+    sizes = slot_sizes(*[inputs + held] * keep, *[inputs + outputs] * split)
+    count = max(1, table[:, :, KEPT].max() + 1)
+    kept = {d: jnp.zeros((count, n), d) for d, n in sizes.items()}
 
     def tick(carry, row):
+        made = {}  # the forward's vjp_kept rebuilder (lax.switch traces the forward first)
         slots, kept, grads, loss_sum, stats_sum = carry
         op, m, v, input_slot, gradient_slot, below, above, itself, kept_slot = row[stage]
-        kept_slot = jnp.maximum(kept_slot, 0)
-        tokens, key = pieces[m], jax.random.fold_in(rng, m)
+        kept_slot, tokens = jnp.maximum(kept_slot, 0), pieces[m]
+        chunk = chunk_of(config.schedule, stages, stage, v)
+        key = jax.random.fold_in(rng, m) if config.dropout > 0 else None  # no key: no dropout
+        none = lambda: jax.tree.map(jnp.zeros_like, params)  # noqa: E731
+        nothing = {d: jnp.zeros(n, d) for d, n in sizes.items()}
 
-        # Read inside the branches (XLA would copy them out first). Slot -1: none; the first group
-        # reads the tokens and the last's output gradient is zero (the loss's is the backward's).
+        # Read inside the branches (XLA would copy them out first). Slot -1: none; the first
+        # group reads the tokens.
         def x():
             return slots[jnp.maximum(input_slot, 0)]
 
-        def gradient():
-            return jnp.where(gradient_slot >= 0, slots[jnp.maximum(gradient_slot, 0)], 0)
+        def idle():
+            return jnp.zeros_like(activation), none(), nothing, jnp.float32(0), stats
 
-        def forward():  # the loss is the backward's: it runs the stage again, the head with it
-            return stage_forward(params, x(), tokens, key, config, v, head=False)[0][0]
+        def forward():
+            """The stage, keeping what its backward reads (--remat: nothing); on the last group
+            the head, its backward too, and the loss's gradient sent to itself."""
+            g, leavings, dense_in = group(params, v), [], []
+            fn = stage_fn(g, tokens, key, chunk)
+            if keep:
+                (out, _), (sums, dense_in), leavings, made["again"] = vjp_kept(fn, g, x(), deltas)
+            else:
+                (out, _), (sums, _) = fn(g, x(), ())
 
-        def nothing_kept():  # what an op other than INPUT_GRAD leaves for a WEIGHT_GRAD
-            return [tuple(jnp.zeros(a.shape[1:], a.dtype) for a in pair) for pair in kept]
+            def head():  # a tied head reads the embedding's table: its gradient adds both uses
+                def loss(p, y):
+                    head = common.with_tied(p["head"], p["embed"], model.tied)
+                    logits = common.run_piece(model.defs["head"], head, y, key)
+                    return common.cross_entropy(logits, tokens[:, 1:]).sum()
 
-        def no_backward():
-            zeros = jax.tree.map(jnp.zeros_like, (params, activation, stats))
-            return *zeros[:2], nothing_kept(), jnp.zeros((), jnp.float32), zeros[2]
+                loss, vjp = jax.vjp(loss, params, out)
+                return *vjp(jnp.float32(loss_scale))[::-1], loss
+
+            on = lambda: (out, none(), jnp.float32(0))  # noqa: E731  (to the next group)
+            sent, grad_params, loss = lax.cond(chunk == virtual * stages - 1, head, on)
+            return sent, grad_params, pack(dense_in + leavings, sizes), loss, sums
+
+        def backward_of():
+            """The stage's jax.vjp, from what its forward kept (--remat: run again)."""
+            g = group(params, v)
+            if not keep:
+                fn = stage_fn(g, tokens, key, chunk)
+                _, vjp, (_, dense_in) = jax.vjp(fn, g, x(), deltas, has_aux=True)
+                return vjp, dense_in
+            mine = unpack({d: kept[d][kept_slot] for d in sizes}, inputs + held)
+            return made["again"](g, mine[len(inputs) :]), mine[: len(inputs)]
 
         def backward():
-            """jax.vjp of the stage, recomputed from its input."""
-            forward = functools.partial(stage_forward, tokens=tokens, rng=key, config=config, v=v)
-            _, vjp, (loss, stats, _) = jax.vjp(forward, params, x(), has_aux=True)
-            grad_params, grad_input = vjp((gradient(), jnp.float32(loss_scale)))
-            return grad_params, grad_input, nothing_kept(), loss, stats
-
-        def input_grad():
-            """Zero-bubble's B: the backward but for the dense kernels' gradients (zeros: XLA drops
-            their matmuls), leaving what they need: each layer's input and output gradient."""
-            deltas = [jnp.zeros((layers, *y.shape), y.dtype) for _, _, y in calls]
-            forward = functools.partial(stage_forward, tokens=tokens, rng=key, config=config, v=v)
-            _, vjp, (loss, stats, dense_inputs) = jax.vjp(
-                lambda p, x, d: forward(p, x, deltas=d), params, x(), deltas, has_aux=True
-            )
-            grad_params, grad_input, dense_grads = vjp((gradient(), jnp.float32(loss_scale)))
-            for path, *_ in calls:
-                grad_params = with_kernel(grad_params, v, path, None)
-            left = list(zip(dense_inputs, dense_grads, strict=True))
-            return grad_params, grad_input, left, loss, stats
+            gradient = jnp.where(gradient_slot >= 0, slots[jnp.maximum(gradient_slot, 0)], 0)
+            vjp, dense_in = backward_of()
+            grad_params, grad_input, dense_grads = vjp((gradient, jnp.float32(loss_scale)))
+            left = pack(dense_in + dense_grads, sizes) if split else nothing
+            return grad_input, in_group(grad_params, v, virtual), left, jnp.float32(0), stats
 
         def weight_grad():
-            """Zero-bubble's W: each dense kernel's gradient, x^T dy, from what B kept."""
-            grad_params = jax.tree.map(jnp.zeros_like, params)
-            for (path, *_), (xs, dys) in zip(calls, kept, strict=True):
-                kernel = jnp.einsum("l...i,l...o->lio", xs[kept_slot], dys[kept_slot])
-                grad_params = with_kernel(grad_params, v, path, kernel)
-            _, grad_input, left, loss, none = no_backward()
-            return grad_params, grad_input, left, loss, none
+            """A split backward's W: each dense kernel's gradient, x^T dy, from what B kept."""
+            xs_dys = unpack({d: kept[d][kept_slot] for d in sizes}, inputs + outputs)
+            xs, dys = xs_dys[: len(calls)], xs_dys[len(calls) :]
+            grads = [jnp.einsum("l...i,l...o->lio", x, dy) for x, dy in zip(xs, dys, strict=True)]
+            grads = [
+                g.astype(k.dtype) for g, k in zip(grads, kernels_of(params, calls), strict=True)
+            ]
+            blocks = in_group(with_kernels(group(none(), 0), calls, grads), v, virtual)
+            return jnp.zeros_like(activation), blocks, nothing, jnp.float32(0), stats
 
-        # Each op's backward: only those the table has are compiled (XLA:CPU keeps each apart)
-        backwards = {BACKWARD: backward}  # zero-bubble: the input's half, then the weights'
-        backwards = {INPUT_GRAD: input_grad, WEIGHT_GRAD: weight_grad} if zero_bubble else backwards
-        branch = np.zeros(len(OPS), np.int32)  # op -> its branch of lax.switch, 0: no_backward
-        branch[list(backwards)] = np.arange(1, len(backwards) + 1)
-
-        output = lax.cond(op == FORWARD, forward, lambda: jnp.zeros_like(activation))
-        grad_params, grad_input, left, loss, more = lax.switch(
-            jnp.asarray(branch)[op], [no_backward, *backwards.values()]
-        )
-        # What B leaves for W, into its slot outside the branches (through them: copied)
-        kept = lax.cond(
-            op == INPUT_GRAD,
-            lambda: [
-                (xs.at[kept_slot].set(x_in), dys.at[kept_slot].set(dy))
-                for (xs, dys), (x_in, dy) in zip(kept, left, strict=True)
-            ],
-            lambda: kept,
-        )
+        # Each op's work: only those the table has are compiled (XLA:CPU keeps each apart)
+        backwards = {BACKWARD: backward}  # a split backward: the input's half, then the weights'
+        backwards = {INPUT_GRAD: backward, WEIGHT_GRAD: weight_grad} if split else backwards
+        ops = {IDLE: idle, FORWARD: forward, **backwards}
+        branch = np.zeros(len(OPS), np.int32)  # op -> its branch of lax.switch
+        branch[list(ops)] = np.arange(len(ops))
+        sent, grad_params, left, loss, more = lax.switch(jnp.asarray(branch)[op], [*ops.values()])
+        # What an op leaves for a later one, into its slot outside the branches (through: copied)
+        if sizes:
+            leaves = jnp.asarray((FORWARD,) * keep + (INPUT_GRAD,) * split)
+            new = lambda: {d: kept[d].at[kept_slot].set(left[d]) for d in sizes}  # noqa: E731
+            kept = lax.cond(jnp.isin(op, leaves), new, lambda: kept)
         # After each tick, what it made to the stages on both sides: each keeps what its table
-        # says arrives (an activation on its way up the model, or a gradient on its way down).
-        sent = jnp.where(op == FORWARD, output, grad_input)
+        # says arrives (an activation on its way up the model, or a gradient on its way down;
+        # the last group's forward the loss's gradient, to itself).
         arrived = [lax.ppermute(sent, "stage", up), lax.ppermute(sent, "stage", down), sent]
-        keep = lambda slots, i, x: slots.at[i].set(x)  # noqa: E731
+        put = lambda slots, i, x: slots.at[i].set(x)  # noqa: E731
         for slot, value in zip((below, above, itself), arrived, strict=True):
-            slots = lax.cond(slot >= 0, keep, lambda slots, *_: slots, slots, slot, value)
+            slots = lax.cond(slot >= 0, put, lambda slots, *_: slots, slots, slot, value)
         grads = jax.tree.map(jnp.add, grads, grad_params)
         stats_sum = jax.tree.map(jnp.add, stats_sum, more)
         return (slots, kept, grads, loss_sum + loss, stats_sum), None
@@ -622,6 +685,7 @@ def pipeline_gradients(params, batch, rng, config, table):
         jnp.zeros((), jnp.float32),
         stats,
     )
+
     (_, _, grads, loss_sum, stats), _ = lax.scan(tick, carry, jnp.asarray(table))
     tokens = jnp.int32(pieces.size - pieces.shape[0] * pieces.shape[1])
     return grads, {"loss_sum": loss_sum, "tokens": tokens, **stats}
@@ -667,9 +731,8 @@ def main(config):
     common.setup(config)
     mesh = make_mesh(config)
     dataset = common.load_dataset(config)
-    table = make_schedule(
-        config.schedule, mesh.shape["stage"], config.microbatches, config.virtual()
-    )
+    stages, keep = mesh.shape["stage"], not config.remat
+    table = make_schedule(config.schedule, stages, config.microbatches, config.virtual(), keep)
     if config.show_schedule:  # print it, train nothing
         if common.is_main_process():
             show_schedule(config.schedule, table)

@@ -46,10 +46,11 @@ TICK = {  # what one tick of a stage is
 def op_costs(blocks=1, config=None):
     """What each op of a tick costs, in the compiled program's matmul FLOPs, on one stage of
     `blocks` blocks of the default model, in forwards of that stage: the forward (F), the
-    whole backward of 1F1B and GPipe (jax.vjp, the stage recomputed from its input), and
-    zero-bubble's B (the same, less the dense kernels' gradients, keeping what W needs) and W
-    (those gradients, x^T dy per dense layer, from what B kept). Compiled on one device for one
-    micro-batch of the default's."""
+    whole backward of 1F1B and GPipe (jax.vjp, the stage run again from its input; with
+    --no-remat a forward less, from what the forward kept), and zero-bubble's B (the same, less
+    the dense kernels' gradients, keeping what W needs) and W (those gradients, x^T dy per
+    dense layer, from what B kept). Compiled on one device for one micro-batch of the
+    default's."""
     config = config or pipeline.Config(layers=blocks, cpu_devices=1)
     layers, model = blocks, pipeline.common.make_model(config)
     rows, length = config.batch_size // 2 // config.microbatches, config.seq_len
@@ -67,23 +68,23 @@ def op_costs(blocks=1, config=None):
 
     def input_grad(params, x, dy):
         deltas = [jnp.zeros((layers, *y.shape), y.dtype) for _, _, y in calls]
+        kernels = pipeline.kernels_of(pipeline.group(params, 0), calls)
 
-        def f(params, x, deltas):
-            y, _, inputs = pipeline.run_blocks(blocks_of(params), x, rng, config, 0, deltas)
+        def f(rest, x, deltas):  # the dense kernels held fixed: their gradients are W's
+            blocks = pipeline.with_kernels(rest, calls, kernels)["blocks"]
+            y, _, inputs = pipeline.run_blocks(blocks, x, rng, config, 0, deltas)
             return y, inputs
 
-        _, vjp, inputs = jax.vjp(f, params, x, deltas, has_aux=True)
+        rest = pipeline.with_kernels(pipeline.group(params, 0), calls, [None] * len(calls))
+        _, vjp, inputs = jax.vjp(f, rest, x, deltas, has_aux=True)
         grads, dx, dense_grads = vjp(dy)
-        for path, *_ in calls:
-            grads = pipeline.with_kernel(grads, 0, path, None)
         return grads, dx, inputs, dense_grads
 
     def weight_grad(params, inputs, dense_grads):
-        grads = jax.tree.map(jnp.zeros_like, params)
-        for (path, *_), x_in, dy in zip(calls, inputs, dense_grads, strict=True):
-            kernel = jnp.einsum("l...i,l...o->lio", x_in, dy)
-            grads = pipeline.with_kernel(grads, 0, path, kernel)
-        return grads
+        kernels = [
+            jnp.einsum("l...i,l...o->lio", *pair) for pair in zip(inputs, dense_grads, strict=True)
+        ]
+        return pipeline.with_kernels(pipeline.group(params, 0), calls, kernels)
 
     inputs, dense_grads = jax.eval_shape(input_grad, params, x, x)[2:]
 
@@ -91,10 +92,11 @@ def op_costs(blocks=1, config=None):
         return hlo.hlo_flops(jax.jit(fn).lower(*args).compile().as_text())
 
     f = flops(forward, params, x)
+    again = f * config.remat  # each backward compiled here runs the forward: all but --remat's
     return {
         pipeline.FORWARD: 1.0,
-        pipeline.BACKWARD: flops(backward, params, x, x) / f,
-        pipeline.INPUT_GRAD: flops(input_grad, params, x, x) / f,
+        pipeline.BACKWARD: (flops(backward, params, x, x) - f + again) / f,
+        pipeline.INPUT_GRAD: (flops(input_grad, params, x, x) - f + again) / f,
         pipeline.WEIGHT_GRAD: flops(weight_grad, params, inputs, dense_grads) / f,
     }
 
@@ -152,7 +154,8 @@ def table():
         "The costs, in matmul FLOPs of one stage's compiled ops (`op_costs`, the default block, "
         "one micro-batch), in forwards: a whole backward "
         f"{costs[pipeline.BACKWARD]:.2f}, zero-bubble's B {costs[pipeline.INPUT_GRAD]:.2f} and W "
-        f"{costs[pipeline.WEIGHT_GRAD]:.2f}. A tick lasts as long as its slowest stage's op.",
+        f"{costs[pipeline.WEIGHT_GRAD]:.2f} (`--no-remat`: a forward less each). A tick lasts "
+        "as long as its slowest stage's op.",
     ]
     return "<!-- schedules:start -->\n" + "\n".join(rows) + "\n<!-- schedules:end -->"
 

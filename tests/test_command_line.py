@@ -400,23 +400,16 @@ BAD_INPUTS = [
         ("shardmap_dp",),
         "--tie-embeddings is the GPT's: a model of yours ties its head itself, e.g. --model gpt",
     ),
-    *[
-        (
-            ["--mesh", "data=4,stage=2", "--batch-size", "16", "--microbatches", "4", "--layers"]
-            + ["8", "--schedule", "interleaved", "--virtual-stages", "4", flag],
-            ("pipeline",),
-            f"{flag} is {why}, e.g. --no-{flag[2:]}",
-        )
-        for flag, why in [
-            ("--remat", "what each stage's backward does already"),
-            ("--scan-layers", "how the pipeline holds its blocks already"),
-        ]
-    ],
+    (
+        ["--mesh", "data=4,stage=2", "--batch-size", "16", "--microbatches", "4", "--layers"]
+        + ["8", "--schedule", "interleaved", "--virtual-stages", "4", "--scan-layers"],
+        ("pipeline",),
+        "--scan-layers is how the pipeline holds its blocks already, e.g. --no-scan-layers",
+    ),
     (
         ["--scan-layers", "--remat"],
         ("pipeline",),
-        "--scan-layers is how the pipeline holds its blocks already, e.g. --no-scan-layers "
-        "--no-remat",
+        "--scan-layers is how the pipeline holds its blocks already, e.g. --no-scan-layers",
     ),
     (
         ["--model", "tests/llama.py", "--experts", "4", "--top-k", "1", "--vocab-size", "512"],

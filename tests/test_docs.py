@@ -144,13 +144,13 @@ def test_the_docs_do_not_grow():
     """README and docs in at most 43,700 words (51,297 at 5a3040a; 47,135 at 20bf228, before the
     flag pairs' record moved to dev/flag_pairs.md; 43,100 before issue 86's ZB-V, its picture
     and its account; issue 83 aims at 35,000), the learner's path (README, docs/concepts.md, the
-    nine scripts, docs/transitions.md) in at most 32,050 (32,161 at 57027be; 31,450 before
-    issue 86's ZB-V in pipeline.py, 567 words; issue 83 aims at 25,000): what is said once is
-    read once."""
+    nine scripts, docs/transitions.md) in at most 32,550 (32,161 at 57027be; 31,450 before
+    issue 86's ZB-V in pipeline.py, 567 words, and its forwards keeping what their backwards
+    read, 485; issue 83 aims at 25,000): what is said once is read once."""
     words = lambda paths: sum(len((ROOT / p).read_text().split()) for p in paths)  # noqa: E731
     pages = ["README.md", *(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))]
     path = ["README.md", "docs/concepts.md", "docs/transitions.md", *(f"{s}.py" for s in SCRIPTS)]
-    assert words(pages) <= 43_700 and words(path) <= 32_050
+    assert words(pages) <= 43_700 and words(path) <= 32_550
 
 
 def test_the_count_of_bad_inputs_is_the_tests_own():
@@ -350,9 +350,9 @@ def test_common_py_keeps_its_parts_within_their_bounds():
     the loop's exits the loop's, Orbax's own errors; issue 85's loader), at most 2,150 in all
     (the TPU's kernels moved in so that a copy of two files runs on a TPU; TFDS left for
     tests/tfds_text.py); what a copier of fsdp.py carries is what the README says (issue 83's
-    bound: 1,650). pipeline.py in
-    at most 750 lines (700 in issue 83; issue 86's ZB-V, 46), test_equivalence.py in at most
-    1,500 (issue 83)."""
+    bound: 1,650). pipeline.py in at most 810 lines (700 in issue 83; issue 86's ZB-V, 46, and
+    its forwards keeping what their backwards read, 62), test_equivalence.py in at most 1,500
+    (issue 83)."""
     lines = (ROOT / "common.py").read_text().splitlines()
     cost = (
         lines.index("# What a run costs, measured from the real arrays and the compiled step") - 1
@@ -361,7 +361,7 @@ def test_common_py_keeps_its_parts_within_their_bounds():
     assert 0 < cost < harness and harness - cost <= 138 and len(lines) - harness <= 563
     assert len(lines) <= 2150  # 2,098 before issue 85's --init-from (its loader, 52 lines)
     count = lambda name: len((ROOT / name).read_text().splitlines())  # noqa: E731
-    assert count("pipeline.py") <= 750 and count("test_equivalence.py") <= 1500
+    assert count("pipeline.py") <= 810 and count("test_equivalence.py") <= 1500
     readme = (ROOT / "README.md").read_text()
     carried = int(
         re.search(r"A copier of `fsdp.py` carries ([\d,]+) lines", readme)[1].replace(",", "")

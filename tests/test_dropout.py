@@ -158,3 +158,18 @@ def test_each_piece_draws_from_its_own_key(scanned, monkeypatch):
     jax.effects_barrier()
     assert sorted(name for name, _ in keys) == ["block"] * 3 + ["embed", "head"]
     assert len({key for _, key in keys}) == len(keys), "two pieces drew from one key"
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+def test_a_pipeline_backward_reads_the_masks_its_forward_drew(schedule):
+    """pipeline.py --no-remat: a backward runs from what its forward kept, the dropout masks with
+    it, where --remat (the default) draws them again from the same keys: the same training,
+    step by step, at dropout 0.1."""
+    runs = [
+        run_uncached(f"pipeline_{schedule}", dropout=RATE, steps=STEPS, remat=remat)
+        for remat in (True, False)
+    ]
+    record_flags(STRATEGIES[f"pipeline_{schedule}"][0], runs[1].config)
+    print(f"\n{schedule}: losses {runs[0].losses} and {runs[1].losses} without --remat")
+    assert runs[0].losses == pytest.approx(runs[1].losses, rel=RTOL)
+    assert runs[0].grad_norms == pytest.approx(runs[1].grad_norms, rel=RTOL)

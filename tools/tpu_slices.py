@@ -123,11 +123,11 @@ def formula(script: str, size: str, topology: str, mesh: dict | None) -> tuple |
         head = 2 * d * b + 4 * v / t
         if script != "pjit_tp":  # their default rules, fsdp_tp: 'embed' split over 'data' too
             held, gathered = held / data, 2 * 4 * largest / t
-    elif script == "pipeline":  # 1F1B: min(M, S) stage inputs, one micro-batch's stage at a
-        stages, m = mesh["stage"], 8  # time, its head's logits and their gradient; the embedding
-        held, tokens = p / stages, tokens / m  # and head gathered, with their gradients
+    elif script == "pipeline":  # 1F1B, under its default --remat: min(M, S) stage inputs, one
+        stages, m = mesh["stage"], 8  # micro-batch's stage at a time, its head's logits and their
+        held, tokens, whole = p / stages, tokens / m, 0  # gradient; the embedding and head
         layer, layers, head = 0, 0, min(m, stages) * d * b + layers / stages * block + head + 4 * v
-        gathered = 2 * 4 * (sized["embed"] + sized["head"])
+        gathered = 2 * 4 * (sized["embed"] + sized["head"])  # gathered, with their gradients
     elif script == "context_parallel":  # the ring: for each hop a key, a value, the running sums
         hops = mesh["context"]
         tokens, layer = tokens / hops, 16 * d * b + hops * (3 * d * b + 2 * 4 * h)
