@@ -25,6 +25,7 @@ from tests.harness import (
     RTOL,
     SMALL,
     STRATEGIES,
+    matrix,
     model_flags,
     record_flags,
     run_uncached,
@@ -160,7 +161,7 @@ def test_each_piece_draws_from_its_own_key(scanned, monkeypatch):
     assert len({key for _, key in keys}) == len(keys), "two pieces drew from one key"
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zero-bubble"])
+@pytest.mark.parametrize("schedule", matrix(["1f1b", "zero-bubble"], ["zero-bubble"]))
 def test_a_pipeline_backward_reads_the_masks_its_forward_drew(schedule):
     """pipeline.py --no-remat: a backward runs from what its forward kept, the dropout masks with
     it, where --remat (the default) draws them again from the same keys: the same training,
