@@ -306,7 +306,7 @@ def compare(
 
 
 def record_parity(name, flags, measured, bounds, what):
-    """For dev/parity.py, which writes docs/checks.md from what the tests measure: with
+    """For dev/parity.py, which writes dev/parity.md from what the tests measure: with
     PARITY_RECORD set, one JSON line per comparison appended to that file (one per test worker):
     the loss's, gradient norm's and parameters' relative differences, and the largest element's."""
     path = os.environ.get("PARITY_RECORD")
@@ -766,7 +766,7 @@ def test_the_sequence_splits_match_in_bfloat16(name):
 # tie to within bfloat16's rounding may go to the other one. Measured the same way
 # (expert_parallel on both meshes): 6.6e-5, 1.9e-3, 8.4e-2 and 0.28; the reference with
 # --microbatches 2 6.6e-5, 2.5e-3, 9.0e-2 and 0.28, and float32 1.1e-4, 4.3e-3, 0.15 and 0.48.
-# Through every other strategy (the parity matrix, docs/checks.md) the mixture of experts moves
+# Through every other strategy (the parity matrix, dev/parity.md) the mixture of experts moves
 # further where its experts' matmuls are split over 'model' (logical_tp and logical_fsdp_tp:
 # 5.6e-5, 8.8e-3, 0.17 and 0.64) and on the interleaved pipeline's 4 layers (gradient norm
 # 1.0e-2): the bounds were about 1.5 times those. The tests' mixture now also has a shared
@@ -811,7 +811,7 @@ def test_flags_that_meet_the_compute_type_match_together(tmp_path):
     bfloat16_matches("shardmap_dp", run_uncached("shardmap_dp", **BF16, **flags), flags)
 
 
-# The other models of the parity matrix (docs/checks.md) in bfloat16, through every script and
+# The other models of the parity matrix (dev/parity.md) in bfloat16, through every script and
 # preset that trains any model: the mixture of experts and tests/llama.py (OTHER_MODELS).
 
 

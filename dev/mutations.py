@@ -16,14 +16,14 @@ run on the unchanged code and must pass (skip with --no-clean), so that a failur
 
   python dev/mutations.py                 # every bug; about 15 minutes on 2 cores
   python dev/mutations.py --only 3 7      # some of them
-  python dev/mutations.py --write         # and rewrite the table in docs/checks.md
+  python dev/mutations.py --write         # and rewrite the table in dev/mutations.md
   python dev/mutations.py --only 30 --write   # rewrite that bug's row, keep the others
 
 The generated part (--generated) needs no catalogue: every comparison (< and <=, > and >=, ==
 and !=), + 1 or - 1 and integer axis= of the lesson (common.py from the model to the data, the
 scripts' functions but main) flipped one at a time, each against the tests that reach its lines,
 the fastest first: a map that one run of the plain `pytest` under coverage makes (pytest-cov,
-each test its own context; pip install pytest-cov). Survivors are listed in docs/checks.md, each
+each test its own context; pip install pytest-cov). Survivors are listed in dev/mutations.md, each
 argued equivalent in EQUIVALENT or killed by a new test.
 
   python dev/mutations.py --generated --map /tmp/reach.json           # map (an hour), then all
@@ -45,7 +45,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGE = ROOT / "docs" / "checks.md"
+PAGE = ROOT / "dev" / "mutations.md"
 MARKER = re.compile(r"<!-- mutations:start -->\n.*?<!-- mutations:end -->", re.DOTALL)
 EQ = "test_equivalence.py"
 TPU = "tests/test_tpu.py"
@@ -872,7 +872,7 @@ def main():
     parser.add_argument(
         "--no-clean", action="store_true", help="skip the run of the tests on the unchanged code"
     )
-    parser.add_argument("--write", action="store_true", help="rewrite the table in docs/checks.md")
+    parser.add_argument("--write", action="store_true", help="rewrite the table in dev/mutations.md")
     parser.add_argument(
         "--timeout", type=int, default=1800, help="seconds allowed for each bug's tests"
     )

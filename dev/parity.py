@@ -4,11 +4,11 @@ Runs the comparisons of test_equivalence.py (`pytest -m full`) with PARITY_RECOR
 each comparison writes what it measured: the largest relative difference from one device, over
 the run's steps, of the loss and of the gradient norm, and of the final parameters (in
 bfloat16, of their update). Then prints the table, and with --write puts it into
-docs/checks.md. tests/test_docs.py checks the page against the code: a row for every strategy
+dev/parity.md. tests/test_docs.py checks the page against the code: a row for every strategy
 and model the tests train, and every figure within the bound the tests hold it to.
 
   python dev/parity.py            # print the table; about 10 minutes on 2 cores
-  python dev/parity.py --write    # and rewrite the table in docs/checks.md
+  python dev/parity.py --write    # and rewrite dev/parity.md
   python dev/parity.py --only pjit_tp_sp --write   # re-measure its rows, keep the others
 """
 
@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGE = ROOT / "docs" / "checks.md"
+PAGE = ROOT / "dev" / "parity.md"
 MARKER = re.compile(r"<!-- parity:start -->\n.*?<!-- parity:end -->", re.DOTALL)
 # The tests whose comparisons make the matrix: each model in each dtype, through every strategy
 TESTS = (
@@ -110,7 +110,7 @@ def main():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--write", action="store_true", help="rewrite docs/checks.md's table")
+    parser.add_argument("--write", action="store_true", help="rewrite dev/parity.md")
     parser.add_argument("--workers", type=int, default=2, help="pytest-xdist workers")
     parser.add_argument(
         "--only", nargs="+", default=(), help="these strategies' rows; the others stay as written"
