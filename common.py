@@ -1852,15 +1852,12 @@ class Checkpoints:
         latest, init = self.checkpointer and self.checkpointer.latest, self.config.init_from
         if not (latest or init):
             return state, 0
-        mine, folder = self.to_saved(state), self.config.checkpoint_dir
-        like = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), mine
-        )
+        mine, folder = self.to_saved(state), self.config.checkpoint_dir  # read laid out as mine
         try:
             if latest:
-                saved = self.checkpointer.load(latest.step, like)
+                saved = self.checkpointer.load(latest.step, mine)
             else:  # a fresh optimizer, at step 0
-                saved = mine.replace(params=read_params(init, like.params))
+                saved = mine.replace(params=read_params(init, mine.params))
             problem = None if finite(saved) else "it holds non-finite values"
         except Exception as error:  # Orbax's errors have no common type
             problem = one_line(error)
@@ -2053,23 +2050,22 @@ class Logger:
         s = self.summary = dict(platform=device.platform, device_kind=device.device_kind)
         s.update(dtype=config.dtype, layout=layout, devices=devices, processes=processes, **report)
         s["loss_floor"] = getattr(dataset, "loss_floor", None)  # None: unknown
-        if config.metrics_file and is_main_process():
-            with contextlib.suppress(FileNotFoundError), open(config.metrics_file) as old:
+        if (path := config.metrics_file) and is_main_process():
+            with contextlib.suppress(FileNotFoundError), open(path) as old:
                 for line in old if start else ():
                     with contextlib.suppress(ValueError, AttributeError):  # cut short by a crash
                         if json.loads(line).get("step", start + 1) <= start:
                             self.earlier.append(json.loads(line))
-            with open(f"{config.metrics_file}.new", "w") as new:
+            with open(f"{path}.new", "w") as new:  # then put in its place whole
                 new.writelines(map(json_line, self.earlier))
-            os.replace(f"{config.metrics_file}.new", config.metrics_file)
-            self.file = open(config.metrics_file, "a")
+            os.replace(f"{path}.new", path)
+            self.file = open(path, "a")
+        rows, millions = config.batch_size // config.batch_shards(), report["param_count"] / 1e6
         log_print(
             f"{devices} {device.platform} devices in {processes} process(es) | {layout} | "
-            f"{report['param_count'] / 1e6:.2f}M parameters, {computes(config)}\nbatch "
-            f"{config.batch_size} x {config.seq_len} tokens "
-            f"({config.batch_size // config.batch_shards()} per device) | "
-            f"{dataset.describe()}\ncompiled the train step in "
-            f"{report['compile_seconds']:.1f}s"
+            f"{millions:.2f}M parameters, {computes(config)}\nbatch {config.batch_size} x "
+            f"{config.seq_len} tokens ({rows} per device) | {dataset.describe()}\n"
+            f"compiled the train step in {report['compile_seconds']:.1f}s"
         )
         self.last_time = time.perf_counter()
 
@@ -2083,11 +2079,10 @@ class Logger:
 
     def fetch(self) -> int:
         """The numbers of the steps not yet fetched (waits for them); how many there were."""
-        for metrics in self.pending:
-            self.losses.append(host_value(metrics["loss_sum"]) / host_value(metrics["tokens"]))
-            self.grad_norms.append(host_value(metrics["grad_norm"]))
-            if "expert_tokens" in metrics:
-                self.router.append(routing(metrics, self.config.layers))
+        for m in self.pending:
+            self.losses.append(host_value(m["loss_sum"]) / host_value(m["tokens"]))
+            self.grad_norms.append(host_value(m["grad_norm"]))
+            self.router += [routing(m, self.config.layers)] if "expert_tokens" in m else []
         count, self.pending = len(self.pending), []
         return count
 

@@ -872,7 +872,7 @@ def main():
     parser.add_argument(
         "--no-clean", action="store_true", help="skip the run of the tests on the unchanged code"
     )
-    parser.add_argument("--write", action="store_true", help="rewrite the table in dev/mutations.md")
+    parser.add_argument("--write", action="store_true", help="rewrite dev/mutations.md")
     parser.add_argument(
         "--timeout", type=int, default=1800, help="seconds allowed for each bug's tests"
     )
