@@ -486,8 +486,8 @@ class Model:
     def defs(self) -> dict:
         """Each piece on shapes; the embedding and the head, halves of one module, each hold the
         parameters that half reads (the embedding also those neither does)."""
-        c, hooks = self.config, self.hooks
-        defs = {name: PieceDef.of(name, p, c, hooks) for name, p in self.pieces.items()}
+        c, hooks = self.config, self.hooks  # the head is the embedding's module: built once
+        defs = {name: PieceDef.of(name, self.pieces[name], c, hooks) for name in ("embed", "block")}
         top, tokens = defs["embed"], jax.ShapeDtypeStruct((1, c.seq_len), jnp.int32)
         plain = PieceDef.of("embed", self.pieces["embed"], c, Hooks())  # outside any mesh
         closed, leaves = cut(nnx.merge(plain.graphdef, plain.params, plain.streams), tokens)

@@ -149,8 +149,7 @@ SHARDED = {
 }
 
 
-# -m full: the presets (two compiles each); every pytest fsdp.py's, compiled for the copy's test
-@pytest.mark.parametrize("name", matrix(list(SHARDED), ["fsdp"]))
+@pytest.mark.parametrize("name", matrix(list(SHARDED), ["fsdp", "logical_fsdp"]))
 def test_fsdp_needs_less_hbm_than_data_parallelism_by_the_state_it_shards(
     name, data_parallel, fsdp_alone, tmp_path
 ):
