@@ -6,11 +6,11 @@ prints the table; with --out DIR it also writes into DIR:
   results.md   one row per strategy: losses, state bytes per device, the compiled step's
                memory, collectives per step and their bytes, compile time, speed
   results.png  the loss curves and the state bytes per device
-and with --write it writes those into benchmarks/ and puts the table into docs/costs.md
-between the benchmark markers: the tracked files change only when asked. With --remat, each strategy
-is also compiled with --remat (one step) to show what rematerialisation saves.
+and with --write it writes those into benchmarks/ (docs/costs.md reads them): the tracked files
+change only when asked. With --remat, each strategy is also compiled with --remat (one step) to
+show what rematerialisation saves.
 
-  python benchmarks/benchmark.py --write              # docs/costs.md's figures (~8 min on CPU)
+  python benchmarks/benchmark.py --write              # benchmarks/results.md (~8 min on CPU)
   python benchmarks/benchmark.py -- --dtype bfloat16  # flags after -- go to every script
 """
 
@@ -49,7 +49,6 @@ STRATEGIES = {
 }
 # Each stage's backward recomputes it
 NO_REMAT = {name for name in STRATEGIES if name.startswith("pipeline")}
-README_START, README_END = "<!-- benchmark:start -->", "<!-- benchmark:end -->"
 
 
 def run(strategy, flags, folder):
@@ -150,7 +149,7 @@ def main():
     parser.add_argument(
         "--write",
         action="store_true",
-        help="write them into benchmarks/ and the table into docs/costs.md",
+        help="write them into benchmarks/",
     )
     parser.add_argument(
         "--only", default=",".join(STRATEGIES), help="comma-separated strategies to run"
@@ -197,7 +196,7 @@ def main():
         "MB per device (the larger of each op's input and output); what a ring sends of them: "
         "docs/costs.md's formulas."
     )
-    picture = "![loss curves and state bytes per device](benchmarks/results.png)"
+    picture = "![loss curves and state bytes per device](results.png)"
     markdown = f"{described}\n\n{table(rows)}\n\n{picture}\n"
     print(markdown)
     out = Path(__file__).parent if args.write else args.out
@@ -206,14 +205,6 @@ def main():
         (out / "results.md").write_text(markdown)
         plot(rows, out / "results.png")
         print(f"wrote {out / 'results.md'} and {out / 'results.png'}")
-    if args.write:
-        page = ROOT / "docs" / "costs.md"
-        text = page.read_text()
-        start, end = text.index(README_START) + len(README_START), text.index(README_END)
-        page.write_text(
-            text[:start] + "\n" + markdown.replace("](benchmarks/", "](../benchmarks/") + text[end:]
-        )
-        print(f"wrote the table into {page}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Every script compiled for real TPU slices on this machine, none run: docs/tpu.md's table.
+"""Every script compiled for real TPU slices on this machine, none run: benchmarks/tpu_slices.md.
 
 Each script runs under tools/compile_for.py (libtpu's compile-only devices: pip install -t .tpu
 -r requirements-tpu.txt) at GPT-2 small (12 layers, width 768, 12 heads, 1,024 tokens, vocabulary
@@ -10,7 +10,7 @@ time and MFU predicted from it at the chip's published rates (tools/compile_for.
 These are compiled, not run.
 
   python tools/tpu_slices.py --jobs 2             # print the table (about an hour, 2 cores)
-  python tools/tpu_slices.py --write              # and put its rows in docs/tpu.md's table
+  python tools/tpu_slices.py --write              # and put its rows in benchmarks/tpu_slices.md
   python tools/tpu_slices.py --slices v5e:2x4 --sizes gpt2_small --scripts fsdp   # a part
 """
 
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGE = ROOT / "docs" / "tpu.md"
+PAGE = ROOT / "benchmarks" / "tpu_slices.md"
 MARKER = re.compile(r"<!-- tpu:start -->\n.*?<!-- tpu:end -->", re.DOTALL)
 
 SIZES = {
@@ -179,7 +179,9 @@ def row(script, size, topology, result) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--write", action="store_true", help="rewrite the table in docs/tpu.md")
+    parser.add_argument(
+        "--write", action="store_true", help="rewrite the table in benchmarks/tpu_slices.md"
+    )
     parser.add_argument("--slices", nargs="*", default=list(SLICES), help="topologies")
     parser.add_argument("--sizes", nargs="*", default=list(SIZES), help="model sizes")
     parser.add_argument("--scripts", nargs="*", default=list(SCRIPTS), help="scripts")
