@@ -1833,7 +1833,7 @@ class Checkpoints:
 
     def __init__(self, config: Config, to_saved=lambda s: s, from_saved=lambda saved, s: saved):
         self.config, self.to_saved, self.from_saved = config, to_saved, from_saved
-        self.checkpointer = None
+        self.checkpointer = self.saving = None
         if config.checkpoint_dir:
             when = ocp.training.save_decision_policies
             every, last = when.FixedIntervalPolicy(config.checkpoint_every), [config.steps]
@@ -1877,15 +1877,23 @@ class Checkpoints:
     def save(self, step: int, state, stopping: bool = False):
         """Save the state after step `step` in the background, with the flags it was made by."""
         flags = {"flags": {n: getattr(self.config, n) for n in SHAPE_FLAGS + TRAJECTORY_FLAGS}}
-        saved = self.to_saved(state)
-        self.checkpointer.save_async(step + 1, saved, force=True, custom_metadata=flags)
+        self.wait()  # for the save before
+        args = step + 1, self.to_saved(state)
+        self.saving = self.checkpointer.save_async(*args, force=True, custom_metadata=flags)
         if stopping:
             log_print(f"stopped: saved the checkpoint of step {step + 1}")
+
+    def wait(self):
+        """Wait for the last save: Orbax raises its error, or frees its thread and open files."""
+        saving, self.saving = self.saving, None
+        if saving:
+            saving.result()
 
     def close(self):
         """Wait for the saves still being written."""
         if self.checkpointer:
             self.checkpointer.close()
+            self.wait()
 
 
 def read_params(path: str, like):
