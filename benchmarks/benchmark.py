@@ -6,7 +6,7 @@ prints the table; with --out DIR it also writes into DIR:
   results.md   one row per strategy: losses, state bytes per device, the compiled step's
                memory, collectives per step and their bytes, compile time, speed
   results.png  the loss curves and the state bytes per device
-and with --write it writes those into benchmarks/ (docs/costs.md reads them): the tracked files
+and with --write it writes those into benchmarks/ (docs/costs.md links there): the tracked files
 change only when asked. With --remat, each strategy is also compiled with --remat (one step) to
 show what rematerialisation saves.
 
